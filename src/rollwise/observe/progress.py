@@ -1,0 +1,127 @@
+"""Terminal progress: a transient `rich` bar and a one-line summary per training step.
+
+The bar switches itself off when stdout is not a terminal (logs, CI, pipes) or when the
+environment sets ROLLWISE_NO_PROGRESS=1; it then still accepts `.advance()` calls.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from rollwise.observe.metrics import number
+
+
+class ProgressHandle:
+    """What `progress_bar` yields: advance it; a disabled handle only counts."""
+
+    def __init__(self, progress: Progress | None, task: TaskID | None) -> None:
+        self._progress = progress
+        self._task = task
+        self.completed = 0.0
+
+    def advance(self, n: float = 1) -> None:
+        """Mark `n` more units done."""
+        self.completed += n
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task, n)
+
+    def set_description(self, description: str) -> None:
+        """Change the text shown left of the bar."""
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, description=description)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a bar is actually drawn."""
+        return self._progress is not None
+
+
+def progress_enabled() -> bool:
+    """True when stdout is a terminal and ROLLWISE_NO_PROGRESS is not "1"."""
+    if os.environ.get("ROLLWISE_NO_PROGRESS", "") == "1":
+        return False
+    return sys.stdout.isatty()
+
+
+@contextmanager
+def progress_bar(
+    total: float | None, description: str = "", enabled: bool | None = None
+) -> Iterator[ProgressHandle]:
+    """A transient bar with count, elapsed time and ETA; `enabled=None` decides automatically.
+
+    >>> with progress_bar(3, "rollout", enabled=False) as bar:
+    ...     bar.advance(2)
+    >>> bar.completed
+    2.0
+    """
+    if enabled is None:
+        enabled = progress_enabled()
+    if not enabled:
+        yield ProgressHandle(None, None)
+        return
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task(description, total=total)
+        yield ProgressHandle(progress, task)
+
+
+def format_step_line(record: dict[str, Any]) -> str:
+    """One line summarising a training-step metrics record; missing keys are left out.
+
+    Reads: step, num_steps, reward_mean, eval_accuracy, response_len_p50, zero_var_frac,
+    time_rollout, time_reward, time_train (seconds), rollout_tokens_per_s.
+
+    >>> format_step_line({"step": 3, "num_steps": 20, "reward_mean": 0.414, "time_train": 12.34})
+    'step 3/20 | reward 0.41 | train 12.3s'
+    """
+    parts: list[str] = []
+    step, total = number(record, "step"), number(record, "num_steps")
+    if step is not None:
+        parts.append(f"step {int(step)}" + (f"/{int(total)}" if total is not None else ""))
+    for key, label in (
+        ("reward_mean", "reward"),
+        ("eval_accuracy", "acc"),
+        ("response_len_p50", "len p50"),
+        ("zero_var_frac", "zero-var"),
+    ):
+        v = number(record, key)
+        if v is not None:
+            shown = f"{v:.0f}" if key == "response_len_p50" else f"{v:.2f}"
+            parts.append(f"{label} {shown}")
+    times = [
+        f"{label} {t:.1f}s"
+        for key, label in (
+            ("time_rollout", "rollout"),
+            ("time_reward", "reward"),
+            ("time_train", "train"),
+        )
+        if (t := number(record, key)) is not None
+    ]
+    if times:
+        parts.append(" ".join(times))
+    tps = number(record, "rollout_tokens_per_s")
+    if tps is not None:
+        parts.append(f"{tps:.0f} tok/s")
+    return " | ".join(parts)

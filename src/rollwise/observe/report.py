@@ -1,0 +1,222 @@
+"""The run report: one self-contained `report.html` (inline CSS, plots as base64 PNG).
+
+Inputs, all inside the run directory and all optional except that an empty page is dull:
+`metrics.jsonl` (records with "kind": "train" — the default when "kind" is absent — or
+"eval"), `summary.json`, `config.toml` and `trajectories.sqlite`. A missing file or key
+omits what depends on it; nothing in the inputs can make the report fail.
+
+Metric keys read: step, wall_time (seconds since training start), reward_mean,
+eval_accuracy, pass_at_k (a number, or {k: value}), rollouts, response_len_{p50,p90,max,mean},
+time_rollout, time_reward, time_train, time_other.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from rollwise.observe import html, plots
+from rollwise.observe.metrics import METRICS_FILE, number, read_metrics
+from rollwise.replay import TrajectoryStore
+
+TIME_KEYS = ("time_rollout", "time_reward", "time_train", "time_other")
+LENGTH_KEYS = ("response_len_p50", "response_len_p90", "response_len_max", "response_len_mean")
+STORE_FILE = "trajectories.sqlite"
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write `run_dir/report.html` from what the run directory holds; return its path."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / METRICS_FILE, strict=False)
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    summary = _load_json(run_dir / "summary.json")
+    name = _run_name(run_dir, summary)
+
+    body = [_header(name, summary, train)]
+    figures = run_figures(run_dir, train, evals)
+    if figures:
+        body.append('<h2>Plots</h2><div class="figures">')
+        body.extend(html.figure(png, caption) for caption, png in figures)
+        body.append("</div>")
+    if train:
+        last = {k: v for k, v in train[-1].items() if number(train[-1], k) is not None}
+        body.append(f"<h2>Last training step</h2>{html.kv_table(last)}")
+    config = run_dir / "config.toml"
+    if config.is_file():
+        text = config.read_text(encoding="utf-8", errors="replace")
+        body.append(f"<h2>Config</h2><pre>{escape(text)}</pre>")
+
+    out = run_dir / "report.html"
+    out.write_text(html.page(f"rollwise run {name}", "\n".join(body)), encoding="utf-8")
+    return out
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _run_name(run_dir: Path, summary: dict[str, Any]) -> str:
+    for key in ("run_name", "name"):
+        if isinstance(summary.get(key), str):
+            return summary[key]
+    return run_dir.resolve().name
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict to dotted keys over its non-dict leaves.
+
+    >>> flatten({"eval_after": {"accuracy": 0.5}, "steps": 3})
+    {'eval_after.accuracy': 0.5, 'steps': 3}
+    """
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def _header(name: str, summary: dict[str, Any], train: list[dict[str, Any]]) -> str:
+    """Title, the headline figures, and every summary value."""
+    flat = flatten(summary)
+    headline = []
+    before, after = number(flat, "eval_before.accuracy"), number(flat, "eval_after.accuracy")
+    if before is not None or after is not None:
+        b = "?" if before is None else html.fmt_value(before)
+        a = "?" if after is None else html.fmt_value(after)
+        headline.append(f"accuracy {b} &rarr; {a}")
+    secs = number(flat, "train_seconds")
+    if secs is not None:
+        headline.append(f"train {html.fmt_value(float(secs))} s")
+    steps = number(flat, "steps")
+    if steps is None:
+        steps = max((number(r, "step") or 0 for r in train), default=None)
+    if steps is not None:
+        headline.append(f"{int(steps)} steps")
+    parts = [f"<h1>{escape(name)}</h1>"]
+    if headline:
+        parts.append(f'<div class="headline">{" &middot; ".join(headline)}</div>')
+    shown = {k: v for k, v in flat.items() if not isinstance(v, list) or len(str(v)) < 200}
+    if shown:
+        parts.append(f"<h2>Summary</h2>{html.kv_table(shown)}")
+    return "\n".join(parts)
+
+
+def _points(records: list[dict[str, Any]], x_key: str, y_key: str) -> list[tuple[float, float]]:
+    """(x, y) of records holding both as numbers; the last record wins on a repeated x."""
+    pts: dict[float, float] = {}
+    for r in records:
+        x, y = number(r, x_key), number(r, y_key)
+        if x is not None and y is not None:
+            pts[x] = y
+    return list(pts.items())
+
+
+def run_figures(
+    run_dir: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]]
+) -> list[tuple[str, str]]:
+    """(caption, base64 PNG) of every plot the inputs allow, in report order."""
+    everything = train + evals
+    candidates = []
+    for x_key, x_label in (("step", "step"), ("wall_time", "wall time (s)")):
+        candidates.append(
+            (
+                f"reward mean and eval accuracy vs {x_label}",
+                plots.line_plot(
+                    {
+                        "reward mean": _points(train, x_key, "reward_mean"),
+                        "eval accuracy": _points(everything, x_key, "eval_accuracy"),
+                    },
+                    x_label,
+                    "value",
+                    f"reward and accuracy vs {x_label}",
+                ),
+            )
+        )
+    candidates.append(_length_figure(run_dir, train))
+    candidates.append(_time_figure(train))
+    candidates.extend(_eval_figures(evals))
+    return [(caption, png) for caption, png in candidates if png is not None]
+
+
+def _length_figure(run_dir: Path, train: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Histogram of response lengths at the first vs last step (store), else p50/p90/max."""
+    lengths = _store_lengths(run_dir / STORE_FILE)
+    if lengths:
+        png = plots.histograms(lengths, "response length (tokens)", "response lengths")
+        return "response-length distribution, first vs last step", png
+    series = {k.removeprefix("response_len_"): _points(train, "step", k) for k in LENGTH_KEYS}
+    png = plots.line_plot(series, "step", "tokens", "response length per step")
+    return "response length per step (from metrics)", png
+
+
+def _store_lengths(path: Path) -> dict[str, list[int]]:
+    """{"step N": lengths} for the first and last stored steps; {} without a usable store."""
+    if not path.is_file():
+        return {}
+    try:
+        store = TrajectoryStore(path)
+        try:
+            steps = store.steps()
+            chosen = sorted({steps[0], steps[-1]}) if steps else []
+            return {f"step {s}": store.response_lengths(s) for s in chosen}
+        finally:
+            store.close()
+    except (sqlite3.Error, ValueError):
+        return {}
+
+
+def _time_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Stacked bars of the per-step time split."""
+    rows = [r for r in train if number(r, "step") is not None]
+    if not any(number(r, k) is not None for r in rows for k in TIME_KEYS):
+        return "time split per step", None
+    xs = [number(r, "step") for r in rows]
+    parts = {
+        k.removeprefix("time_"): [number(r, k) or 0.0 for r in rows]
+        for k in TIME_KEYS
+        if any(number(r, k) is not None for r in rows)
+    }
+    return "time split per step", plots.stacked_bars(xs, parts, "step", "seconds", "time per step")
+
+
+def _pass_at_k_series(evals: list[dict[str, Any]], x_key: str) -> plots.Series:
+    """pass@k curves: `pass_at_k` is a number (k from the record's "k") or {k: value}."""
+    series: plots.Series = {}
+    for r in evals:
+        x, p = number(r, x_key), r.get("pass_at_k")
+        if x is None:
+            continue
+        if isinstance(p, dict):
+            items = [(k, v) for k, v in p.items() if number(p, k) is not None]
+        elif number(r, "pass_at_k") is not None:
+            items = [(r.get("k", "k"), p)]
+        else:
+            items = []
+        for k, v in items:
+            series.setdefault(f"pass@{k}", []).append((x, v))
+    return series
+
+
+def _eval_figures(evals: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+    """Eval curves (accuracy and pass@k) vs step, and vs rollouts when recorded."""
+    out = []
+    for x_key, x_label in (("step", "step"), ("rollouts", "rollouts")):
+        if x_key == "rollouts" and not any(number(r, "rollouts") is not None for r in evals):
+            continue
+        series = {"accuracy": _points(evals, x_key, "eval_accuracy")}
+        series.update(_pass_at_k_series(evals, x_key))
+        png = plots.line_plot(series, x_label, "accuracy", f"evaluation vs {x_label}")
+        out.append((f"evaluation curve vs {x_label}", png))
+    return out

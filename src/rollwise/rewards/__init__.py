@@ -1,0 +1,28 @@
+"""Rewards: verifiers `(completion, sample) -> float` and the pool that runs them with limits.
+
+Knows `types` only; never imports torch models, the engine or the learner.
+"""
+
+from rollwise.rewards.countdown import countdown_verifier
+from rollwise.rewards.pool import RewardPool, RewardSpec, RewardStats
+from rollwise.rewards.verifiers import (
+    VERIFIERS,
+    Verifier,
+    final_number,
+    format_reward,
+    get_verifier,
+    math_verify_match,
+)
+
+__all__ = [
+    "VERIFIERS",
+    "RewardPool",
+    "RewardSpec",
+    "RewardStats",
+    "Verifier",
+    "countdown_verifier",
+    "final_number",
+    "format_reward",
+    "get_verifier",
+    "math_verify_match",
+]

@@ -1,0 +1,72 @@
+"""Tasks: prompt sources with their verifiers. Knows `types` and `rewards`; never models.
+
+>>> task = make_task("arith", seed=0, num_train=4, num_eval=2)
+>>> task.name, len(task.train), len(task.eval), task.train[0].prompt.endswith("=")
+('arith', 4, 2, True)
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from rollwise.rewards.verifiers import unknown_name_error
+from rollwise.tasks.arith import build_arith, build_arith_chain
+from rollwise.tasks.base import Task
+from rollwise.tasks.countdown import build_countdown
+from rollwise.tasks.files import DatasetError, build_file, load_samples
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "arith": build_arith,
+    "arith_chain": build_arith_chain,
+    "countdown": build_countdown,
+    "file": build_file,
+}
+
+_COMMON = ("seed", "num_train", "num_eval", "chat")
+
+
+def task_options(name: str) -> dict[str, Any]:
+    """The task-specific options of task `name` with their defaults.
+
+    >>> task_options("arith")
+    {'digits': 2, 'terms': 2, 'ops': '+', 'style': None}
+    """
+    if name not in TASKS:
+        raise unknown_name_error("task", name, list(TASKS))
+    params = inspect.signature(TASKS[name]).parameters.values()
+    return {p.name: p.default for p in params if p.name not in _COMMON}
+
+
+def make_task(
+    name: str,
+    *,
+    seed: int = 0,
+    num_train: int = 2000,
+    num_eval: int = 200,
+    chat: bool = False,
+    path: str | None = None,
+    **options: Any,
+) -> Task:
+    """Build the registered task `name`: seeded, disjoint train/eval splits and a verifier.
+
+    `chat` makes each prompt a list of chat messages (instruction models) instead of a plain
+    string (the built-in tiny model); `path` is the data file of the "file" task. An unknown
+    task or option raises ValueError naming it, the closest accepted name, and the list.
+
+    >>> make_task("arithh")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, countdown, file
+    """
+    accepted = task_options(name)
+    if path is not None:
+        options["path"] = path
+    for option in options:
+        if option not in accepted:
+            raise unknown_name_error(f"option of task {name!r}:", option, list(accepted))
+    return TASKS[name](seed=seed, num_train=num_train, num_eval=num_eval, chat=chat, **options)
+
+
+__all__ = ["TASKS", "DatasetError", "Task", "load_samples", "make_task", "task_options"]

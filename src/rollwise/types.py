@@ -1,0 +1,93 @@
+"""The typed records that flow through rollwise, one stage to the next.
+
+Data flows one way: a `Sample` (a task instance) becomes a `Group` of `Trajectory`s (its
+rollouts), the trajectories are scored in place, and the learner receives a `Batch` of
+padded tensors built from the groups. No stage passes string-keyed dictionaries of tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # the records stay importable without torch (tasks, rewards, observe)
+    import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+# A chat prompt is a list of {"role": ..., "content": ...} messages.
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass
+class Sample:
+    """One task instance: what the policy is asked and what the verifier checks against."""
+
+    id: str  # stable within a task and split, e.g. "arith/train/17"
+    prompt: Prompt  # plain text, or chat messages for chat models
+    answer: str  # reference final answer the verifier compares with, e.g. "68"
+    reference: str | None = None  # a full reference response (used for warm-start SFT)
+    meta: dict[str, Any] = field(default_factory=dict)  # task-specific, e.g. {"terms": 3}
+
+
+@dataclass
+class Trajectory:
+    """One rollout of one prompt: tokens, how they were sampled, and how they scored."""
+
+    sample: Sample
+    prompt_ids: list[int]  # [P] prompt tokens, chat template already applied
+    response_ids: list[int]  # [T] sampled tokens (EOS included when it was sampled)
+    logprobs: list[float]  # [T] log π_behaviour(response_ids[t] | prefix) at sampling time
+    versions: list[int]  # [T] policy version that sampled each response token
+    finish_reason: FinishReason  # "stop" (EOS/stop token), "length" (max_tokens), "abort"
+    text: str = ""  # decoded response (filled at the edge, by the rollout stage)
+    reward: float = 0.0  # scalar reward used for advantages
+    reward_info: dict[str, Any] = field(default_factory=dict)  # per-verifier scores, errors
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. {"rollout": .., "reward": ..}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class Group:
+    """The rollouts of one prompt; GRPO-family advantages are computed within a group."""
+
+    sample: Sample
+    trajectories: list[Trajectory]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def zero_variance(self) -> bool:
+        """All rewards equal: every advantage is zero and the group teaches nothing."""
+        r = self.rewards
+        return max(r) - min(r) < 1e-9 if r else True
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors for the learner. N rows (trajectories), L = max prompt+response length.
+
+    Position t of `input_ids` is predicted by position t-1; `loss_mask[t]` is 1 where
+    `input_ids[t]` is a response token whose log-prob enters the loss.
+    """
+
+    input_ids: torch.Tensor  # [N, L] long, prompt then response then padding
+    attention_mask: torch.Tensor  # [N, L] long, 1 for real tokens
+    loss_mask: torch.Tensor  # [N, L] float, 1 on response tokens
+    old_logprobs: torch.Tensor  # [N, L] float, behaviour log-probs on response tokens, else 0
+    advantages: torch.Tensor  # [N] float, one per trajectory (outcome-level estimators)
+    group_ids: torch.Tensor  # [N] long, which group each row belongs to
+    versions: torch.Tensor  # [N, L] long, policy version per response token, else -1
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
