@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollwise.build import build
-from rollwise.config import load_config
+from rollwise.config import load_config, to_toml
 from rollwise.learner.checkpoint import list_checkpoints
 from rollwise.loop import train
 from rollwise.replay import TrajectoryStore
@@ -41,7 +41,8 @@ def test_training_raises_reward_and_changes_parameters(tmp_path):
     cfg = small(tmp_path, "run.num_steps=60", "rollout.prompts_per_step=16", "task.num_eval=200")
     stages = build(cfg)
     before = params(stages.model)
-    summary = train(stages, Run(run_dir(cfg), resume=False, echo=lambda s: None), 60)
+    run = Run(run_dir(cfg), resume=False, config_toml=to_toml(cfg), echo=lambda s: None)
+    summary = train(stages, run, 60)
     after = params(stages.model)
     changed = sum(not torch.equal(before[n], after[n]) for n in before)
     assert changed == len(before), "every parameter should move under full fine-tuning"

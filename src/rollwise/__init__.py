@@ -1,9 +1,29 @@
 """rollwise: RL post-training of language models with verifiable rewards, built around the
-rollout. See README.md for the tour and ARCHITECTURE.md for the map."""
+rollout. See README.md for the tour and ARCHITECTURE.md for the map.
 
-from rollwise.models import Policy, load_policy
-from rollwise.types import Batch, Group, Sample, Trajectory
+Heavy parts (torch, transformers) load on first use, so `import rollwise.observe` or
+`import rollwise.tasks` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "load_policy": "rollwise.models", "Policy": "rollwise.models.policy",
+    "Sample": "rollwise.types", "Trajectory": "rollwise.types", "Group": "rollwise.types",
+    "Batch": "rollwise.types",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rollwise' has no attribute '{name}'")
+
 
 __all__ = ["Batch", "Group", "Policy", "Sample", "Trajectory", "__version__", "load_policy"]

@@ -145,7 +145,7 @@ def build(cfg: Config) -> Stages:
         engine=_build_engine(r.engine, policy, e.batch_size), prompts=eval_prompts,
         pool=RewardPool([RewardSpec("correct", task.verifier)], timeout_s=t.reward_timeout_s),
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
-        temperature=r.temperature or 1.0)
+        temperature=r.temperature or 1.0, chunk=e.batch_size)
     return Stages(
         policy=policy, task=task,
         sampler=UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed),

@@ -7,14 +7,14 @@ import shutil
 from pathlib import Path
 from typing import Annotated
 
+import rich
 import typer
-from rich.console import Console
 
 from rollwise.config import Config, ConfigError, load_config, to_toml
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RL post-training of language models with verifiable rewards.")
-console = Console()
+console = rich.get_console()  # the console progress bars draw on
 SET_HELP = "Override a config key, e.g. --set rollout.temperature=0.7 (repeatable)."
 
 
@@ -62,9 +62,9 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
         stages = build(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    run = Run(root, resume=resume is not None, keep_checkpoints=cfg.run.keep_checkpoints,
+    run = Run(root, resume=resume is not None, config_toml=to_toml(cfg),
+              keep_checkpoints=cfg.run.keep_checkpoints,
               echo=lambda s: console.print(s, highlight=False, soft_wrap=True))
-    (root / "config.toml").write_text(to_toml(cfg))
     run.summary.update({"model": cfg.model.name, "task": cfg.task.name, **stages.info})
     if stages.skipped_prompts:
         console.print(f"skipped {stages.skipped_prompts} prompts longer than the context "

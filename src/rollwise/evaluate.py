@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from math import comb
 
 from rollwise.engine.base import Engine, SamplingParams
+from rollwise.observe import progress_bar
 from rollwise.rewards import RewardPool
 from rollwise.rollout import generate_groups
-from rollwise.types import Sample
+from rollwise.types import Group, Sample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -36,12 +37,22 @@ class Evaluator:
     pass_k: int = 0
     pass_samples: int = 8
     temperature: float = 1.0
+    chunk: int = 64  # prompts per generate call (the progress bar advances per call)
+
+    def _generate(self, params: SamplingParams, label: str) -> list[Group]:
+        """Groups for every held-out prompt, `chunk` prompts per call, with a progress bar."""
+        groups: list[Group] = []
+        with progress_bar(len(self.prompts), label) as bar:
+            for i in range(0, len(self.prompts), self.chunk):
+                part = self.prompts[i: i + self.chunk]
+                groups += generate_groups(self.engine, part, params, self.decode)
+                bar.advance(len(part))
+        return groups
 
     def __call__(self) -> dict[str, float]:
         start = time.perf_counter()
-        greedy = generate_groups(self.engine, self.prompts,
-                                 SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens),
-                                 self.decode)
+        greedy = self._generate(SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens),
+                                "evaluating (greedy)")
         trajs = [t for g in greedy for t in g.trajectories]
         self.pool.score(trajs)
         out = {
@@ -57,7 +68,7 @@ class Evaluator:
     def _pass_at_k(self) -> float:
         params = SamplingParams(n=self.pass_samples, temperature=self.temperature,
                                 max_tokens=self.max_tokens)
-        groups = generate_groups(self.engine, self.prompts, params, self.decode)
+        groups = self._generate(params, f"evaluating (pass@{self.pass_k})")
         self.pool.score([t for g in groups for t in g.trajectories])
         scores = [pass_at_k(len(g.trajectories), sum(r >= 1.0 for r in g.rewards), self.pass_k)
                   for g in groups]

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from rollwise.build import Stages
-from rollwise.rundir import Run, StepTimer
+from rollwise.rundir import Run, defer_interrupt
 
 
 def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
@@ -17,21 +17,23 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
     if start == 0 and eval_before:
         run.record_eval(0, stages.evaluate(), before=True)
     try:
-        for step in range(start, num_steps):
-            timer = StepTimer()
-            with timer("rollout"):
-                groups = stages.rollout(stages.select())
-            with timer("reward"):
-                reward_stats = stages.score(groups)
-            kept = stages.filter(groups)
-            with timer("train"):
-                update = stages.update(stages.advantages(kept)) if kept else {}
-            stages.publish(step + 1)
-            run.record_step(step + 1, num_steps, groups, kept, reward_stats, update, timer)
-            if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
-                run.record_eval(step + 1, stages.evaluate())
-            if checkpoint_every and (step + 1) % checkpoint_every == 0:
-                run.checkpoint(step + 1, stages)
+        with run.progress(start, num_steps):
+            for step in range(start, num_steps):
+                timer = run.timer()
+                with timer("rollout"):
+                    groups = stages.rollout(stages.select())
+                with timer("reward"):
+                    reward_stats = stages.score(groups)
+                kept = stages.filter(groups)
+                with defer_interrupt():  # Ctrl-C waits until the update is recorded
+                    with timer("train"):
+                        update = stages.update(stages.advantages(kept)) if kept else {}
+                    stages.publish(step + 1)
+                    run.record_step(step + 1, num_steps, groups, kept, reward_stats, update, timer)
+                if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
+                    run.record_eval(step + 1, stages.evaluate())
+                if checkpoint_every and (step + 1) % checkpoint_every == 0:
+                    run.checkpoint(step + 1, stages)
     except KeyboardInterrupt:
         run.interrupted(stages)
         raise

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from rollwise.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from rollwise.observe import MetricsWriter, format_step_line, summarize_lengths, write_report
+from rollwise.observe import (
+    MetricsWriter,
+    format_step_line,
+    progress_bar,
+    summarize_lengths,
+    write_report,
+)
+from rollwise.observe.progress import ProgressHandle
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
 from rollwise.types import Group
@@ -28,13 +35,16 @@ from rollwise.types import Group
 class StepTimer:
     """Wall time per named phase of one step; `other` is what no phase covered."""
 
-    def __init__(self):
+    def __init__(self, bar: ProgressHandle | None = None):
         self.start = time.perf_counter()
         self.phases: dict[str, float] = {}
+        self.bar = bar
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         t = time.perf_counter()
+        if self.bar is not None:
+            self.bar.set_description(name)
         try:
             yield
         finally:
@@ -62,15 +72,19 @@ def defer_interrupt():
 
 
 class Run:
-    def __init__(self, root: Path, *, resume: bool, keep_checkpoints: int = 2, echo=print):
+    def __init__(self, root: Path, *, resume: bool, config_toml: str | None = None,
+                 keep_checkpoints: int = 2, echo=print):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        if config_toml is not None:
+            (self.root / "config.toml").write_text(config_toml)
         self.resuming = resume
         self.keep = keep_checkpoints
         self.echo = echo
         self.metrics = MetricsWriter(self.root / "metrics.jsonl")
         self.store = TrajectoryStore(self.root / "trajectories.sqlite")
         self.summary: dict[str, Any] = {}
+        self.bar: ProgressHandle | None = None
         self.step = 0  # last completed step
         self.counters = {"train_seconds": 0.0, "rollouts": 0, "tokens": 0, "reward_errors": 0,
                          "reward_timeouts": 0}
@@ -103,6 +117,21 @@ class Run:
         self.write_summary()
         self.echo(f"interrupted: checkpoint of step {self.step} in {path}; "
                   f"continue with --resume {self.root}")
+
+    # -- progress ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def progress(self, start: int, num_steps: int):
+        """A bar over the training steps (phase names shown as they run)."""
+        with progress_bar(num_steps, "training") as bar:
+            bar.advance(start)
+            self.bar = bar
+            try:
+                yield
+            finally:
+                self.bar = None
+
+    def timer(self) -> StepTimer:
+        return StepTimer(self.bar)
 
     # -- records -------------------------------------------------------------------------
     def record_step(self, step: int, num_steps: int, groups: list[Group], kept: list[Group],
@@ -139,6 +168,8 @@ class Run:
         self.metrics.write(record)
         self.step = step
         self.echo(format_step_line(record))
+        if self.bar is not None:
+            self.bar.advance(1)
         return record
 
     def record_eval(self, step: int, result: dict, before: bool = False, after: bool = False):
