@@ -152,3 +152,19 @@ def test_over_long_prompts_are_skipped_and_counted(tmp_path):
     assert info["skipped_train_prompts"] == long_in_train
     assert info["skipped_eval_prompts"] == long_in_eval
     assert all(len(ids) <= 20 for _, ids in stages.sampler.items)
+
+
+def test_lora_training_moves_only_adapters(tmp_path):
+    cfg = small(tmp_path, "model.lora_rank=4", "algorithm.kl_coef=0.05", "run.num_steps=3")
+    stages = build(cfg)
+    before = params(stages.model)
+    train(stages, Run(run_dir(cfg), resume=False, echo=lambda s: None), 3, eval_before=False)
+    after = params(stages.model)
+    lora = [n for n in before if "lora_" in n]
+    assert lora and all(stages.model.get_parameter(n).requires_grad for n in lora)
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in lora)
+    assert any(not torch.equal(before[n], after[n]) for n in lora if "lora_B" in n)
+    records = [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
+    kls = [r["kl"] for r in records if r["kind"] == "train"]
+    assert kls[0] == pytest.approx(0.0, abs=1e-6)  # adapters start at zero: policy == reference
+    assert all(k >= 0 for k in kls) and kls[-1] > 0

@@ -136,7 +136,8 @@ def build(cfg: Config) -> Stages:
     learner = Learner(
         policy.model, loss_fn=lookup(policy_losses, a.loss, "policy loss"),
         loss_options=loss_options, lr=lc.lr, weight_decay=lc.weight_decay, betas=lc.betas,
-        grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
+        grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps, lr_schedule=lc.lr_schedule,
+        total_steps=cfg.run.num_steps * lc.ppo_epochs,
         micro_batch_tokens=lc.micro_batch_tokens, logprob_chunk=lc.logprob_chunk,
         precision=lc.precision, temperature=r.temperature or 1.0,
         kl_fn=lookup(kl_estimators, a.kl_estimator, "KL estimator"), kl_coef=a.kl_coef,

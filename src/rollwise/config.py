@@ -112,6 +112,9 @@ class LearnerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="After warm-up: constant, or linear decay to 0 at the last step."
+    )
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
     micro_batch_tokens: int = Field(
         4096, ge=1, description="Padded tokens per micro-batch (bounds activation memory)."

@@ -93,7 +93,12 @@ class Run:
     def resume(self, stages) -> int:
         """Restore the latest checkpoint (when resuming); the step to continue from."""
         found = list_checkpoints(self.root / "checkpoints")
-        if not self.resuming or not found:
+        if not self.resuming:
+            return 0
+        if not found:  # nothing to continue from: start over, dropping partial records
+            self.store.delete_after(0)
+            self.metrics.drop_after(0)
+            self.echo(f"{self.root} has no checkpoint yet; starting from step 0")
             return 0
         learner_state, state = load_checkpoint(found[-1], stages.model)
         stages.load_state_dict(learner_state, state["stages"])

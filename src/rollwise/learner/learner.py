@@ -24,7 +24,8 @@ from rollwise.types import Batch
 class Learner:
     def __init__(self, model, *, loss_fn: Callable, loss_options: dict, lr: float,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 grad_clip: float = 1.0, warmup_steps: int = 0, micro_batch_tokens: int = 4096,
+                 grad_clip: float = 1.0, warmup_steps: int = 0, lr_schedule: str = "constant",
+                 total_steps: int = 0, micro_batch_tokens: int = 4096,
                  logprob_chunk: int = 1024, precision: str = "float32", temperature: float = 1.0,
                  kl_fn: Callable | None = None, kl_coef: float = 0.0, ppo_epochs: int = 1):
         self.model = model
@@ -33,7 +34,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas,
                                            weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+            self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps))
         self.grad_clip, self.micro_batch_tokens = grad_clip, micro_batch_tokens
         self.logprob_chunk, self.precision, self.temperature = logprob_chunk, precision, temperature
         self.kl_fn, self.kl_coef, self.ppo_epochs = kl_fn, kl_coef, ppo_epochs
@@ -119,6 +120,19 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skips = state.get("nan_skips", 0)
+
+
+def lr_factor(step: int, warmup: int, schedule: str, total: int) -> float:
+    """Multiplier of the base learning rate at optimizer step `step` (0-based).
+
+    >>> [round(lr_factor(s, 2, "linear", 6), 2) for s in range(6)]
+    [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "linear" and total > warmup:
+        return max(0.0, (total - step) / (total - warmup))
+    return 1.0
 
 
 def _select(batch: Batch, idx: torch.Tensor, device: torch.device) -> Batch:
