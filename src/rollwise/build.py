@@ -42,7 +42,6 @@ class Stages:
     evaluator: Evaluator
     advantage_fn: Any
     filter_zero_variance: bool = False
-    skipped_prompts: int = 0
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -156,7 +155,7 @@ def build(cfg: Config) -> Stages:
         rewards=RewardPool(specs, timeout_s=t.reward_timeout_s),
         learner=learner, evaluator=evaluator,
         advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
-        filter_zero_variance=a.filter_zero_variance, skipped_prompts=skipped + eval_skipped,
+        filter_zero_variance=a.filter_zero_variance,
         info={"skipped_train_prompts": skipped, "skipped_eval_prompts": eval_skipped,
               "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
               "parameters": sum(p.numel() for p in policy.model.parameters()),

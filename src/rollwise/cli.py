@@ -66,8 +66,9 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
               keep_checkpoints=cfg.run.keep_checkpoints,
               echo=lambda s: console.print(s, highlight=False, soft_wrap=True))
     run.summary.update({"model": cfg.model.name, "task": cfg.task.name, **stages.info})
-    if stages.skipped_prompts:
-        console.print(f"skipped {stages.skipped_prompts} prompts longer than the context "
+    skipped = stages.info["skipped_train_prompts"] + stages.info["skipped_eval_prompts"]
+    if skipped:
+        console.print(f"skipped {skipped} prompts longer than the context "
                       f"budget (counted in summary.json)", style="yellow")
     try:
         summary = train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
