@@ -6,7 +6,7 @@ conventions: temperature 0 means greedy, `top_k` 0 and `top_p` 1 mean no truncat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from rollwise.types import FinishReason
@@ -30,6 +30,8 @@ class Completion:
     token_ids: list[int]  # [T] sampled tokens, the stop token included when one was sampled
     logprobs: list[float]  # [T] log-prob of each token under the distribution it was sampled from
     finish_reason: FinishReason  # "stop" | "length" | "abort"
+    versions: list[int] = field(default_factory=list)  # [T] policy version that sampled each
+    request_id: int = -1  # the engine's id for the request (native engine)
 
 
 @runtime_checkable

@@ -13,24 +13,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rollwise.engine.base import Completion, SamplingParams
-
-
-def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[B, V] logits -> [B, V] log-probs of the sampling distribution (-inf where truncated)."""
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.log_softmax(logits, dim=-1)
+from rollwise.engine.sampling import warp_logits
 
 
 class _BehaviourLogprobs(LogitsProcessor):

@@ -1,0 +1,35 @@
+"""Generation engines: token ids in, completions (ids, behaviour log-probs, finish reason,
+policy versions) out. `NativeEngine` is rollwise's own; `HFEngine` wraps Hugging Face
+`generate` as the baseline and the fallback for architectures the native engine lacks."""
+
+from __future__ import annotations
+
+import warnings
+
+from rollwise.engine.base import Completion, Engine, SamplingParams
+from rollwise.engine.decoder import SUPPORTED_MODEL_TYPES, UnsupportedModel
+from rollwise.engine.native import EngineStats, NativeEngine
+
+ENGINES = ("native", "hf")
+
+
+def make_engine(name: str, model, *, eos_token_ids: list[int], pad_token_id: int,
+                batch_size: int = 64, **native_options) -> Engine:
+    """The named engine over `model`; `native` falls back to `hf` (with a warning) for
+    architectures outside SUPPORTED_MODEL_TYPES."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine '{name}'; available: {', '.join(ENGINES)}")
+    if name == "native":
+        try:
+            return NativeEngine(model, eos_token_ids=eos_token_ids, max_num_seqs=batch_size,
+                                **native_options)
+        except UnsupportedModel as e:
+            warnings.warn(f"{e}; falling back to the 'hf' engine", stacklevel=2)
+    from rollwise.engine.hf import HFEngine
+
+    return HFEngine(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+                    batch_size=batch_size)
+
+
+__all__ = ["ENGINES", "SUPPORTED_MODEL_TYPES", "Completion", "Engine", "EngineStats",
+           "NativeEngine", "SamplingParams", "UnsupportedModel", "make_engine"]

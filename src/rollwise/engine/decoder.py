@@ -1,0 +1,297 @@
+"""The native engine's forward pass for Llama-family decoders (Llama/SmolLM, Qwen2, Qwen3,
+Mistral), reading the transformers model's own parameter tensors.
+
+Two passes share the layer code:
+
+- `prefill`: a batch of group prompts (right-padded), causal self-attention, keys and values
+  written to the prefix region of the cache; returns the next-token logits of each prompt.
+- `forward_rows`: a chunk of `c_r` new tokens for each running row (1 when decoding, more
+  when resuming or verifying a draft). A query attends to its group's prompt (one copy for
+  the whole group: queries are regrouped so the product is one matrix multiply per group)
+  and to its own earlier tokens, under one softmax.
+
+When the engine's dtype or device equals the parameters', weights are used in place: an
+optimizer step is visible to the next forward with no transfer. Otherwise `refresh()` keeps
+a converted copy, taken at each policy publication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollwise.engine.kvcache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class UnsupportedModel(ValueError):
+    """The native engine has no forward pass for this architecture."""
+
+
+def unwrap(model):
+    """The transformers model inside a peft wrapper (LoRA layers stay injected)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def check_supported(model) -> None:
+    hf = unwrap(model)
+    cfg = getattr(hf, "config", None)
+    kind = getattr(cfg, "model_type", type(hf).__name__)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(f"native engine: model type '{kind}' is not one of "
+                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    rope = getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        raise UnsupportedModel(f"native engine: rope scaling '{rope}' is not supported")
+
+
+@dataclass
+class RowPlan:
+    """Everything a `forward_rows` call needs about its rows, built once per call."""
+
+    rows: slice | torch.Tensor  # the cache rows of the B inputs (a slice when contiguous)
+    tokens: torch.Tensor  # [B, C] input ids (right-padded chunks)
+    cos: torch.Tensor  # [B, C, 1, d]
+    sin: torch.Tensor
+    write_rows: torch.Tensor  # [B*C] cache row of each input token
+    write_pos: torch.Tensor  # [B*C] position in the row's own region
+    smax: int  # own-token keys to read
+    gslots: torch.Tensor | None  # prefix slots read, None when they are 0..G-1
+    groups: int  # G
+    nmax: int  # rows per group, padded
+    gpos: torch.Tensor  # [B] index of each row in the [G * nmax] group layout
+    pmax: int  # prefix keys to read
+    mask: torch.Tensor  # [B, 1, rep*C, pmax + smax] additive
+
+    def prefix(self, t: torch.Tensor) -> torch.Tensor:
+        view = t[:, :, : self.pmax]
+        return view[: self.groups] if self.gslots is None else view.index_select(0, self.gslots)
+
+    def to_groups(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, kvH, M, X] row layout -> [G, kvH, nmax*M, X] (absent rows are zero)."""
+        _, h, m, x = t.shape
+        buf = t.new_zeros(self.groups * self.nmax, h, m, x)
+        buf[self.gpos] = t
+        return buf.view(self.groups, self.nmax, h, m, x).transpose(1, 2).reshape(
+            self.groups, h, self.nmax * m, x)
+
+    def to_rows(self, t: torch.Tensor, m: int) -> torch.Tensor:
+        """[G, kvH, nmax*M, X] group layout -> [B, kvH, M, X]."""
+        g, h, _, x = t.shape
+        return t.view(g, h, self.nmax, m, x).transpose(1, 2).reshape(g * self.nmax, h, m, x)[
+            self.gpos]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Decoder:
+    def __init__(self, model, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        check_supported(model)
+        hf = unwrap(model)
+        cfg = hf.config
+        self.cfg = cfg
+        self.layers = list(hf.model.layers)
+        self.embed, self.norm = hf.model.embed_tokens, hf.model.norm
+        self.lm_head = hf.get_output_embeddings()
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.rep = self.heads // self.kv_heads
+        self.scale = self.head_dim**-0.5
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.silu = getattr(cfg, "hidden_act", "silu") == "silu"
+        weight = self.embed.weight
+        self.dtype = dtype or weight.dtype
+        self.device = torch.device(device) if device is not None else weight.device
+        self.shared = self.dtype == weight.dtype and self.device == weight.device
+        window = getattr(cfg, "sliding_window", None)
+        if not (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
+            window = None
+        self.max_context = min(int(cfg.max_position_embeddings), window or 1 << 30)
+        pos = torch.arange(self.max_context, device=weight.device)[None]
+        cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+        self.cos = cos[0].to(self.device, self.dtype)
+        self.sin = sin[0].to(self.device, self.dtype)
+        self._shadow: dict[nn.Module, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self.refresh()
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def _modules(self) -> list[nn.Module]:
+        mods: list[nn.Module] = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            mods += [layer.input_layernorm, layer.post_attention_layernorm, a.q_proj, a.k_proj,
+                     a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+            if self.qk_norm:
+                mods += [a.q_norm, a.k_norm]
+        return mods
+
+    @torch.no_grad()
+    def refresh(self) -> float:
+        """Take the converted copy of the weights (only when not shared); returns seconds."""
+        if self.shared:
+            return 0.0
+        import time
+
+        start = time.perf_counter()
+        shadow = {}
+        for m in self._modules():
+            w = _effective_weight(m)
+            b = getattr(m, "bias", None)
+            shadow[m] = (w.to(self.device, self.dtype),
+                         None if b is None else b.detach().to(self.device, self.dtype))
+        self._shadow = shadow
+        return time.perf_counter() - start
+
+    def _w(self, m: nn.Module) -> torch.Tensor:
+        return m.weight if self._shadow is None else self._shadow[m][0]
+
+    def _lin(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        if self._shadow is not None:
+            w, b = self._shadow[m]
+            return F.linear(x, w, b)
+        if type(m) is nn.Linear:
+            return F.linear(x, m.weight, m.bias)
+        return m(x)  # e.g. a LoRA-wrapped projection: its own forward reads live adapters
+
+    def _rms(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        eps = getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6))
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self._w(m), eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * self._w(m)
+
+    def _mlp(self, x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+        gate = self._lin(x, mlp.gate_proj)
+        gate = F.silu(gate) if self.silu else mlp.act_fn(gate)
+        return self._lin(gate * self._lin(x, mlp.up_proj), mlp.down_proj)
+
+    def _qkv(self, x, layer, cos, sin):
+        a = layer.self_attn
+        b, c, _ = x.shape
+        h = self._rms(x, layer.input_layernorm)
+        q = self._lin(h, a.q_proj).view(b, c, self.heads, self.head_dim)
+        k = self._lin(h, a.k_proj).view(b, c, self.kv_heads, self.head_dim)
+        v = self._lin(h, a.v_proj).view(b, c, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self._rms(q, a.q_norm), self._rms(k, a.k_norm)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, D] last hidden states -> [N, V] float32 logits."""
+        return F.linear(self._rms(hidden, self.norm), self._w(self.lm_head)).float()
+
+    # -- passes ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: list[int],
+                slot0: int) -> torch.Tensor:
+        """Prompts [g, P] (right-padded) into prefix slots slot0..slot0+g-1; [g, V] logits."""
+        g, p = tokens.shape
+        cos, sin = self.cos[:p][None, :, None], self.sin[:p][None, :, None]
+        x = F.embedding(tokens, self._w(self.embed))
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer, cos, sin)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            cache.pk[i][slot0: slot0 + g, :, :p] = k
+            cache.pv[i][slot0: slot0 + g, :, :p] = v
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
+                                               scale=self.scale, enable_gqa=self.rep > 1)
+            x = x + self._lin(o.transpose(1, 2).reshape(g, p, -1), layer.self_attn.o_proj)
+            x = x + self._mlp(self._rms(x, layer.post_attention_layernorm), layer.mlp)
+        last = x[torch.arange(g, device=x.device), torch.tensor(lengths, device=x.device) - 1]
+        return self.logits(last)
+
+    def plan(self, rows: list[int], tokens: list[list[int]], own: list[int], slots: list[int],
+             prefix_lens: list[int]) -> RowPlan:
+        """Plan a `forward_rows` over cache `rows` with chunks `tokens`, `own[r]` own tokens
+        already cached, prompt in prefix slot `slots[r]` of length `prefix_lens[r]`."""
+        dev = self.device
+        r0 = rows[0]
+        row_sel = (slice(r0, r0 + len(rows)) if rows == list(range(r0, r0 + len(rows)))
+                   else torch.tensor(rows, device=dev))
+        b, c = len(tokens), max(len(t) for t in tokens)
+        ids = torch.zeros(b, c, dtype=torch.long)
+        for r, t in enumerate(tokens):
+            ids[r, : len(t)] = torch.tensor(t)
+        own_t = torch.tensor(own)
+        plen = torch.tensor(prefix_lens)
+        step = torch.arange(c)
+        positions = (plen + own_t)[:, None] + step  # [B, C]
+        positions.clamp_(max=self.max_context - 1)  # padding beyond the context is masked
+        smax = max(o + len(t) for o, t in zip(own, tokens))
+        pmax = max(prefix_lens)
+        # group layout: slot -> group index, and each row's place among its siblings
+        unique = sorted(set(slots))
+        contiguous = unique == list(range(len(unique)))
+        index = {s: i for i, s in enumerate(unique)}
+        seen: dict[int, int] = {}
+        gpos_list = []
+        for s in slots:
+            j = seen.get(s, 0)
+            seen[s] = j + 1
+            gpos_list.append((index[s], j))
+        nmax = max(seen.values())
+        gpos = torch.tensor([g * nmax + j for g, j in gpos_list])
+        ok_pre = torch.arange(pmax)[None, None, :] < plen[:, None, None]  # [B, 1, P]
+        ok_own = torch.arange(smax)[None, None, :] <= (own_t[:, None] + step)[:, :, None]
+        ok = torch.cat([ok_pre.expand(b, c, pmax), ok_own], dim=-1)  # [B, C, P+S]
+        mask = torch.zeros(ok.shape, dtype=self.dtype).masked_fill_(~ok, float("-inf"))
+        mask = mask[:, None, None].expand(b, 1, self.rep, c, pmax + smax).reshape(
+            b, 1, self.rep * c, pmax + smax)
+        return RowPlan(
+            rows=row_sel, tokens=ids.to(dev), cos=self.cos[positions.to(dev)][:, :, None],
+            sin=self.sin[positions.to(dev)][:, :, None],
+            write_rows=torch.tensor(rows).repeat_interleave(c).to(dev),
+            write_pos=(own_t[:, None] + step).reshape(-1).to(dev), smax=smax,
+            gslots=None if contiguous else torch.tensor(unique, device=dev),
+            groups=len(unique), nmax=nmax, gpos=gpos.to(dev), pmax=pmax, mask=mask.to(dev))
+
+    @torch.inference_mode()
+    def forward_rows(self, cache: KVCache, p: RowPlan) -> torch.Tensor:
+        """Run the planned chunks; returns [B, C, D] hidden states (before the final norm)."""
+        x = F.embedding(p.tokens, self._w(self.embed))
+        b, c = p.tokens.shape
+        rows = p.rows
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer, p.cos, p.sin)
+            rk, rv = cache.rk[i], cache.rv[i]
+            rk[p.write_rows, :, p.write_pos] = k.reshape(b * c, self.kv_heads, self.head_dim)
+            rv[p.write_rows, :, p.write_pos] = v.reshape(b * c, self.kv_heads, self.head_dim)
+            qh = q.view(b, c, self.kv_heads, self.rep, self.head_dim).permute(0, 2, 3, 1, 4)
+            qh = qh.reshape(b, self.kv_heads, self.rep * c, self.head_dim)
+            m = self.rep * c
+            own_k, own_v = rk[rows, :, : p.smax], rv[rows, :, : p.smax]
+            pre_k, pre_v = p.prefix(cache.pk[i]), p.prefix(cache.pv[i])
+            s_pre = p.to_rows(p.to_groups(qh) @ pre_k.transpose(-1, -2), m)
+            scores = torch.cat([s_pre, qh @ own_k.transpose(-1, -2)], dim=-1)
+            scores = scores.float().mul_(self.scale).add_(p.mask)
+            probs = scores.softmax(-1).to(self.dtype)
+            out = probs[..., p.pmax:] @ own_v
+            out = out + p.to_rows(p.to_groups(probs[..., : p.pmax]) @ pre_v, m)
+            out = out.view(b, self.kv_heads, self.rep, c, self.head_dim).permute(0, 3, 1, 2, 4)
+            x = x + self._lin(out.reshape(b, c, -1), layer.self_attn.o_proj)
+            x = x + self._mlp(self._rms(x, layer.post_attention_layernorm), layer.mlp)
+        return x
+
+
+def _effective_weight(m: nn.Module) -> torch.Tensor:
+    """A module's weight with active LoRA adapters merged in (peft layers), detached."""
+    base = getattr(m, "base_layer", None)
+    if base is None:
+        return m.weight.detach()
+    w = base.weight.detach().clone()
+    if not getattr(m, "disable_adapters", False):
+        for name in getattr(m, "active_adapters", []):
+            if name in getattr(m, "lora_A", {}):
+                w += m.get_delta_weight(name).to(w.dtype)
+    return w

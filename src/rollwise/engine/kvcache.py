@@ -1,0 +1,82 @@
+"""Key/value storage of the native engine, in two dense regions per layer.
+
+    prefix: [group slots, kv_heads, prefix capacity, head_dim]  one copy of each group's prompt
+    rows:   [row slots,   kv_heads, row capacity,    head_dim]  each running sequence's own tokens
+
+Live groups occupy slots 0..G-1 and live rows slots 0..R-1 (freed slots are filled by moving
+the last one in), so attention reads plain views `[:G, :, :P]` and `[:R, :, :S]`, never a
+gather. A decode step then reads each group's prompt keys once for all its samples, as one
+matrix product. Capacities grow on demand (by reallocation, rarely); the engine's token
+budget, not this class, decides how many tokens may be held.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class KVCache:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.pk: list[torch.Tensor] = []
+        self.pv: list[torch.Tensor] = []
+        self.rk: list[torch.Tensor] = []
+        self.rv: list[torch.Tensor] = []
+        self._alloc("p", 0, 0)
+        self._alloc("r", 0, 0)
+
+    def _empty(self, slots: int, length: int) -> torch.Tensor:
+        return torch.zeros(slots, self.kv_heads, length, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    def _alloc(self, region: str, slots: int, length: int) -> None:
+        k, v = (self.pk, self.pv) if region == "p" else (self.rk, self.rv)
+        old = list(zip(k, v))
+        k.clear()
+        v.clear()
+        for layer in range(self.layers):
+            nk, nv = self._empty(slots, length), self._empty(slots, length)
+            if old:
+                ok, ov = old[layer]
+                s, n = min(slots, ok.shape[0]), min(length, ok.shape[2])
+                nk[:s, :, :n] = ok[:s, :, :n]
+                nv[:s, :, :n] = ov[:s, :, :n]
+            k.append(nk)
+            v.append(nv)
+
+    @staticmethod
+    def _grow(have: int, need: int, step: int) -> int:
+        return have if need <= have else _round_up(max(need, int(have * 1.5)), step)
+
+    def ensure_prefix(self, slots: int, length: int) -> None:
+        """Room for `slots` groups of prompts up to `length` tokens."""
+        s, n = self.pk[0].shape[0], self.pk[0].shape[2]
+        ns, nn = self._grow(s, slots, 8), self._grow(n, length, 64)
+        if (ns, nn) != (s, n):
+            self._alloc("p", ns, nn)
+
+    def ensure_rows(self, slots: int, length: int) -> None:
+        """Room for `slots` rows of up to `length` own tokens each."""
+        s, n = self.rk[0].shape[0], self.rk[0].shape[2]
+        ns, nn = self._grow(s, slots, 8), self._grow(n, length, 64)
+        if (ns, nn) != (s, n):
+            self._alloc("r", ns, nn)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for k, v in zip(self.rk, self.rv):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    def move_group(self, src: int, dst: int, length: int) -> None:
+        for k, v in zip(self.pk, self.pv):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.pk, *self.pv, *self.rk, *self.rv))

@@ -1,0 +1,77 @@
+"""Sampling shared by the engines: logit warping and counter-based random draws.
+
+Each request owns a 64-bit seed; the uniform that picks its t-th token is a hash of
+(seed, t). A request's output therefore depends only on its seed and the model, not on
+which other requests share its batch, on preemption, or on abort and resume.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix(z: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def derive_seed(base: int, index: int) -> int:
+    """A well-mixed 63-bit seed for request `index` of a call seeded with `base`."""
+    with np.errstate(over="ignore"):
+        z = np.array([base], dtype=np.uint64) * _GOLDEN + np.uint64(index)
+    return int(_splitmix(_splitmix(z))[0] >> np.uint64(1))
+
+
+def uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """[B] float64 uniforms in [0, 1): the draw for token `positions[b]` of request `seeds[b]`."""
+    s = np.array(seeds, dtype=np.uint64)
+    p = np.array(positions, dtype=np.uint64) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        z = _splitmix(s + p * _GOLDEN)
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[B, V] logits -> [B, V] log-probs of the sampling distribution (-inf where truncated).
+
+    Temperature 0 (greedy) leaves the logits unscaled.
+    """
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row by inverting the CDF at `u`; returns (tokens [B], log-probs [B]).
+
+    Temperature 0 takes the arg-max. The log-prob is that of the distribution sampled from.
+    """
+    logp = warp_logits(logits, temperature, top_k, top_p)
+    if temperature == 0:
+        tokens = logp.argmax(-1)
+    else:
+        cdf = logp.exp().cumsum(-1)
+        # u * total stays strictly below the total, so the chosen token has mass > 0
+        x = u.to(cdf.device).clamp(max=1 - 1e-6).to(cdf.dtype) * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
+        tokens.clamp_(max=cdf.shape[-1] - 1)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
