@@ -11,15 +11,22 @@ from typing import Any
 
 import torch
 
-from rollwise.algos import advantage_estimators, kl_estimators, lookup, policy_losses
+from rollwise.algos import (
+    advantage_estimators,
+    corrections,
+    kl_estimators,
+    lookup,
+    policy_losses,
+)
 from rollwise.config import Config
 from rollwise.control import UniformSampler
 from rollwise.engine.base import Engine, SamplingParams
 from rollwise.evaluate import Evaluator
-from rollwise.learner import Learner, collate
+from rollwise.learner import Learner, prepare_batch
 from rollwise.models import Policy, load_policy
 from rollwise.rewards import RewardPool, RewardSpec, RewardStats, get_verifier
 from rollwise.rewards.filters import drop_zero_variance
+from rollwise.rewards.group import GROUP_REWARDS, GroupTerm, apply_group_rewards, get_group_reward
 from rollwise.rollout import generate_groups
 from rollwise.runtime import configure as configure_runtime
 from rollwise.tasks import Task, make_task
@@ -43,6 +50,16 @@ class Stages:
     advantage_fn: Any
     filter_zero_variance: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    advantage_options: dict[str, Any] = field(default_factory=dict)
+    group_rewards: list[GroupTerm] = field(default_factory=list)  # after the verifiers
+    mask_truncated: bool = False
+    kl_in_reward: float = 0.0  # KL coefficient of the KL-in-reward penalty (0: off)
+    refill_rounds: int = 0  # extra select/rollout rounds while the filter leaves too few
+
+    @property
+    def batch_groups(self) -> int:
+        """Groups one update trains on (the filter may leave fewer; refills top it up)."""
+        return self.sampler.per_step
 
     @property
     def model(self):
@@ -55,17 +72,18 @@ class Stages:
         return generate_groups(self.engine, prompts, self.sampling, self.policy.decode)
 
     def score(self, groups: list[Group]) -> RewardStats:
-        return self.rewards.score([t for g in groups for t in g.trajectories])
+        stats = self.rewards.score([t for g in groups for t in g.trajectories])
+        apply_group_rewards(groups, self.group_rewards)
+        return stats
 
     def filter(self, groups: list[Group]) -> list[Group]:
         return drop_zero_variance(groups) if self.filter_zero_variance else groups
 
     def advantages(self, groups: list[Group]) -> Batch:
-        trajs = [t for g in groups for t in g.trajectories]
-        group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories])
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        adv = self.advantage_fn(rewards, group_ids)
-        return collate(trajs, adv, group_ids, pad_id=self.policy.tokenizer.pad_token_id)
+        return prepare_batch(
+            groups, self.advantage_fn, pad_id=self.policy.tokenizer.pad_token_id,
+            options=self.advantage_options, mask_truncated=self.mask_truncated,
+            reference_kl=self.learner.reference_kl, kl_coef=self.kl_in_reward)
 
     def update(self, batch: Batch) -> dict[str, float]:
         return self.learner.update(batch)
@@ -129,9 +147,11 @@ def build(cfg: Config) -> Stages:
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
     engine = _build_engine(r.engine, policy, r.batch_size)
     specs = [RewardSpec(name, task.verifier if name == "correct" else get_verifier(name), w)
-             for name, w in t.rewards.items()]
-    loss_options = {"clip_low": a.clip_low, "clip_high": a.clip_high,
-                    "aggregation": a.aggregation, "max_tokens": r.max_tokens}
+             for name, w in t.rewards.items() if name not in GROUP_REWARDS]
+    group_terms = _group_terms(cfg)
+    loss_options = {k: v for k, v in {"clip_low": a.clip_low, "clip_high": a.clip_high,
+                                      "dual_clip": a.dual_clip}.items() if v is not None}
+    loss_options |= {"aggregation": a.aggregation, "max_tokens": r.max_tokens}
     learner = Learner(
         policy.model, loss_fn=lookup(policy_losses, a.loss, "policy loss"),
         loss_options=loss_options, lr=lc.lr, weight_decay=lc.weight_decay, betas=lc.betas,
@@ -140,7 +160,10 @@ def build(cfg: Config) -> Stages:
         micro_batch_tokens=lc.micro_batch_tokens, logprob_chunk=lc.logprob_chunk,
         precision=lc.precision, temperature=r.temperature or 1.0,
         kl_fn=lookup(kl_estimators, a.kl_estimator, "KL estimator"), kl_coef=a.kl_coef,
-        ppo_epochs=lc.ppo_epochs)
+        ppo_epochs=lc.ppo_epochs, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
+        correction_fn=None if a.correction == "none" else lookup(
+            corrections, a.correction, "correction"),
+        correction_options={"cap": a.correction_cap, "low": a.correction_low})
     evaluator = Evaluator(
         engine=_build_engine(r.engine, policy, e.batch_size), prompts=eval_prompts,
         pool=RewardPool([RewardSpec("correct", task.verifier)], timeout_s=t.reward_timeout_s),
@@ -156,11 +179,29 @@ def build(cfg: Config) -> Stages:
         learner=learner, evaluator=evaluator,
         advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
         filter_zero_variance=a.filter_zero_variance,
+        advantage_options=dict(a.advantage_options), group_rewards=group_terms,
+        mask_truncated=a.mask_truncated, kl_in_reward=a.kl_coef if a.kl_in_reward else 0.0,
+        refill_rounds=a.max_refill_rounds,
         info={"skipped_train_prompts": skipped, "skipped_eval_prompts": eval_skipped,
               "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
               "parameters": sum(p.numel() for p in policy.model.parameters()),
               "trainable_parameters": sum(p.numel() for p in learner.params)},
     )
+
+
+def _group_terms(cfg: Config) -> list[GroupTerm]:
+    """Group reward terms named in task.rewards, then DAPO's overlong shaping if on."""
+    t, a = cfg.task, cfg.algorithm
+    for name in t.reward_options:
+        if name not in GROUP_REWARDS:
+            raise ValueError(f"task.reward_options.{name}: options apply to group reward terms "
+                             f"({', '.join(sorted(GROUP_REWARDS))}); '{name}' is not one")
+    terms = [GroupTerm(name, get_group_reward(name), w, dict(t.reward_options.get(name, {})))
+             for name, w in t.rewards.items() if name in GROUP_REWARDS]
+    if a.overlong_buffer > 0:
+        terms.append(GroupTerm("overlong", get_group_reward("overlong"), a.overlong_penalty,
+                               {"max_tokens": cfg.rollout.max_tokens, "buffer": a.overlong_buffer}))
+    return terms
 
 
 def _build_engine(name: str, policy: Policy, batch_size: int) -> Engine:

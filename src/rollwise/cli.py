@@ -18,6 +18,15 @@ console = rich.get_console()  # the console progress bars draw on
 SET_HELP = "Override a config key, e.g. --set rollout.temperature=0.7 (repeatable)."
 
 
+def _bench_app() -> typer.Typer:
+    from rollwise.bench.cli import bench_app
+
+    return bench_app
+
+
+app.add_typer(_bench_app(), name="bench")
+
+
 def _run_dir(cfg: Config) -> Path:
     """runs/<name>; an existing one is kept and a numbered sibling used (or replaced if
     run.overwrite is true)."""

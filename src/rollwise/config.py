@@ -73,7 +73,8 @@ class TaskConfig(_Section):
     )
     rewards: dict[str, float] = Field(
         default_factory=lambda: {"correct": 1.0},
-        description="Reward terms and weights: 'correct' (the task verifier), 'format', ...",
+        description="Reward terms and weights: 'correct' (the task verifier), 'format', ...; "
+        "group terms 'majority_vote', 'dare' (test-time RL without labels).",
     )
     reward_timeout_s: float = Field(5.0, gt=0, description="Time limit of one verifier call.")
 
@@ -93,18 +94,49 @@ class RolloutConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    advantage: str = Field("grpo", description="Advantage estimator (registry name).")
-    loss: str = Field("ppo", description="Policy loss (registry name).")
-    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (epsilon_low).")
-    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (epsilon_high).")
+    """Every name here is a registry key; docs/algorithms.md lists them with their formulas."""
+
+    advantage: str = Field(
+        "grpo", description="Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, "
+        "reinforce_pp_baseline, mc_grpo, drpo, pass_at_k.")
+    advantage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Estimator options, e.g. { k = 4 } for pass_at_k.")
+    loss: str = Field("ppo", description="Policy loss: ppo, gspo or cispo.")
+    clip_low: float | None = Field(
+        None, ge=0, description="Ratio clip below 1 (epsilon_low); unset: the loss's default "
+        "(ppo 0.2, gspo 3e-4, cispo 1.0).")
+    clip_high: float | None = Field(
+        None, ge=0, description="Ratio clip above 1 (epsilon_high); unset: the loss's default "
+        "(ppo 0.2, gspo 4e-4, cispo 0.28). DAPO clip-higher: 0.28.")
+    dual_clip: float | None = Field(
+        None, gt=1, description="ppo dual clip: bound the loss of A < 0 at c * |A| (e.g. 3).")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="How token losses are averaged."
     )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (0: not computed).")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty weight (0: no reference model).")
     kl_estimator: str = Field("k3", description="KL estimator: k1, k2 or k3.")
+    kl_in_reward: bool = Field(
+        False, description="Put the KL penalty in the reward (per token) instead of the loss.")
+    correction: str = Field(
+        "none", description="Off-policy correction of the learner vs engine log-probs: none, "
+        "tis, mis, tis_seq, mis_seq.")
+    correction_cap: float = Field(
+        2.0, gt=0, description="TIS weight cap C; MIS keeps ratios in [correction_low, C].")
+    correction_low: float | None = Field(
+        None, gt=0, description="MIS lower bound (unset: 1 / correction_cap).")
     filter_zero_variance: bool = Field(
         False, description="Drop groups whose rewards are all equal before the update."
     )
+    max_refill_rounds: int = Field(
+        0, ge=0, description="DAPO dynamic sampling: extra rounds of prompts rolled out until "
+        "prompts_per_step groups pass the filter (0: no refill).")
+    mask_truncated: bool = Field(
+        False, description="Loss mask 0 on responses cut at max_tokens (overlong filtering).")
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO overlong shaping: penalise the last N tokens of the budget "
+        "linearly down to -overlong_penalty (0: off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Weight of the overlong penalty.")
 
 
 class LearnerConfig(_Section):
@@ -153,7 +185,8 @@ class ConfigError(ValueError):
 
 
 # Sections whose values are free-form tables (their keys are not checked here).
-_FREE_TABLES = {("task", "options"), ("task", "rewards")}
+_FREE_TABLES = {("task", "options"), ("task", "rewards"), ("task", "reward_options"),
+                ("algorithm", "advantage_options")}
 
 
 def _check_keys(raw: dict, model: type[BaseModel], path: tuple[str, ...], source: dict) -> None:

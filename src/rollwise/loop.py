@@ -2,6 +2,8 @@
 
     for each step:
         select prompts -> roll out groups -> score -> filter -> advantages -> update -> publish
+        (while the filter leaves fewer groups than a batch, select and roll out more: at
+        most `stages.refill_rounds` times; DAPO's dynamic sampling)
     evaluate before and after (and every N steps); checkpoint every N steps and on Ctrl-C.
 """
 
@@ -25,6 +27,15 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
                 with timer("reward"):
                     reward_stats = stages.score(groups)
                 kept = stages.filter(groups)
+                for _ in range(stages.refill_rounds):
+                    if len(kept) >= stages.batch_groups:
+                        break
+                    with timer("rollout"):
+                        more = stages.rollout(stages.select())
+                    with timer("reward"):
+                        reward_stats = reward_stats + stages.score(more)
+                    groups, kept = groups + more, kept + stages.filter(more)
+                kept = kept[: stages.batch_groups]
                 with defer_interrupt():  # Ctrl-C waits until the update is recorded
                     with timer("train"):
                         update = stages.update(stages.advantages(kept)) if kept else {}

@@ -3,15 +3,18 @@
     rollwise.algos.advantage_estimators["grpo"](rewards, group_ids) -> advantages
     rollwise.algos.policy_losses["ppo"](logprobs, old_logprobs, advantages, mask, ...) -> (loss, metrics)
     rollwise.algos.kl_estimators["k3"](logprobs, ref_logprobs) -> per-token KL
+    rollwise.algos.corrections["tis"](old_logprobs, behaviour_logprobs, mask, cap=2) -> (weights, metrics)
 
 The learner and driver call these only through the registries; a new estimator is one
-function plus one `@register` line.
+function plus one `@register` line. docs/algorithms.md lists every name.
 """
 
-from rollwise.algos import advantages, kl, losses  # noqa: F401  (registers the functions)
+from rollwise.algos import advantages, importance, kl, losses  # noqa: F401  (registers)
+from rollwise.algos.advantages import accepts, call_estimator
 from rollwise.algos.losses import aggregate
 from rollwise.algos.registry import (
     advantage_estimators,
+    corrections,
     kl_estimators,
     lookup,
     policy_losses,
@@ -19,8 +22,11 @@ from rollwise.algos.registry import (
 )
 
 __all__ = [
+    "accepts",
     "advantage_estimators",
     "aggregate",
+    "call_estimator",
+    "corrections",
     "kl_estimators",
     "lookup",
     "policy_losses",

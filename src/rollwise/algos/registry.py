@@ -7,6 +7,7 @@ from collections.abc import Callable
 advantage_estimators: dict[str, Callable] = {}
 policy_losses: dict[str, Callable] = {}
 kl_estimators: dict[str, Callable] = {}
+corrections: dict[str, Callable] = {}
 
 
 def register(registry: dict[str, Callable], name: str) -> Callable[[Callable], Callable]:

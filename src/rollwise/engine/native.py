@@ -41,6 +41,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens computed (a shared prompt counts once)
     recompute_tokens: int = 0  # own tokens recomputed after preemption or resume
     generated_tokens: int = 0  # tokens sampled
+    decode_tokens: int = 0  # row-tokens run through decode forwards
     steps: int = 0
     preemptions: int = 0
     peak_kv_tokens: int = 0  # most tokens held at once
@@ -210,6 +211,7 @@ class NativeEngine:
             for r in rows:
                 r.cached += 1
             self.stats.forward_passes += 1
+            self.stats.decode_tokens += len(rows)
             self._sample(rows, self.decoder.logits(hidden), finished)
             self.stats.decode_seconds += time.perf_counter() - start
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self.kv_tokens())

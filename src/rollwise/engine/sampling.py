@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -65,13 +66,33 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
     Temperature 0 takes the arg-max. The log-prob is that of the distribution sampled from.
     """
-    logp = warp_logits(logits, temperature, top_k, top_p)
+    logits = logits.float()
     if temperature == 0:
-        tokens = logp.argmax(-1)
+        tokens = logits.argmax(-1)
+        picked = logits.gather(-1, tokens[:, None])[:, 0]
+        return tokens, picked - torch.logsumexp(logits, -1)
+    if top_k == 0 and top_p >= 1.0:
+        probs = torch.softmax(logits / temperature if temperature != 1.0 else logits, -1)
     else:
-        cdf = logp.exp().cumsum(-1)
-        # u * total stays strictly below the total, so the chosen token has mass > 0
-        x = u.to(cdf.device).clamp(max=1 - 1e-6).to(cdf.dtype) * cdf[:, -1]
-        tokens = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
-        tokens.clamp_(max=cdf.shape[-1] - 1)
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+        probs = warp_logits(logits, temperature, top_k, top_p).exp()
+    tokens = inverse_cdf(probs, u.to(probs.device))
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """[B] indices i with cdf[i-1] <= u * total < cdf[i], through block sums (a full cumsum
+    over a 50k vocabulary is sequential and slow). The chosen index always has mass > 0."""
+    b, v = probs.shape
+    nb = -(-v // block)
+    padded = F.pad(probs, (0, nb * block - v)) if nb * block != v else probs
+    blocks = padded.view(b, nb, block)
+    sums = blocks.sum(-1)  # [B, nb]
+    csum = sums.cumsum(-1)
+    target = u.to(csum.dtype).clamp(max=1 - 1e-6) * csum[:, -1]
+    k = torch.searchsorted(csum, target[:, None], right=True).clamp_(max=nb - 1)  # [B, 1]
+    inner = blocks[torch.arange(b, device=probs.device), k[:, 0]]  # [B, block]
+    icum = inner.cumsum(-1)
+    rest = (target[:, None] - (csum.gather(-1, k) - sums.gather(-1, k)))
+    rest = torch.minimum(rest.clamp_(min=0), icum[:, -1:] * (1 - 1e-6))
+    j = torch.searchsorted(icum, rest, right=True).clamp_(max=block - 1)
+    return (k * block + j)[:, 0]

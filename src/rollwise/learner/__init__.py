@@ -3,5 +3,6 @@
 from rollwise.learner.batch import collate, micro_batches
 from rollwise.learner.learner import Learner
 from rollwise.learner.logprobs import token_logprobs
+from rollwise.learner.prepare import prepare_batch
 
-__all__ = ["Learner", "collate", "micro_batches", "token_logprobs"]
+__all__ = ["Learner", "collate", "micro_batches", "prepare_batch", "token_logprobs"]

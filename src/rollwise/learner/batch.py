@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from rollwise.types import Batch, Trajectory
@@ -43,3 +45,8 @@ def micro_batches(batch: Batch, max_tokens: int) -> list[torch.Tensor]:
     if current:
         out.append(torch.tensor(current))
     return out
+
+
+def take_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    """The batch restricted to row indices `rows` (every field is indexed by row first)."""
+    return Batch(*(getattr(batch, f.name)[rows] for f in fields(Batch)))

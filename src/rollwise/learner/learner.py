@@ -4,12 +4,18 @@ A single on-policy update per batch uses the engine's behaviour log-probs as the
 log-probs, so no extra forward pass is spent recomputing them. The reference policy is only
 evaluated when the KL coefficient is positive: with LoRA it is the base model with the
 adapters disabled, otherwise a frozen copy made at start.
+
+With an off-policy correction (TIS/MIS, `correction_fn`), the learner first recomputes the
+old log-probs with its own weights (one extra forward pass, no gradient): the PPO ratio is
+taken against those, and the correction's per-token weights compare them with the engine's
+behaviour log-probs. The entropy bonus is only computed when its coefficient is positive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -27,7 +33,9 @@ class Learner:
                  grad_clip: float = 1.0, warmup_steps: int = 0, lr_schedule: str = "constant",
                  total_steps: int = 0, micro_batch_tokens: int = 4096,
                  logprob_chunk: int = 1024, precision: str = "float32", temperature: float = 1.0,
-                 kl_fn: Callable | None = None, kl_coef: float = 0.0, ppo_epochs: int = 1):
+                 kl_fn: Callable | None = None, kl_coef: float = 0.0, ppo_epochs: int = 1,
+                 kl_in_reward: bool = False, entropy_coef: float = 0.0,
+                 correction_fn: Callable | None = None, correction_options: dict | None = None):
         self.model = model
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -38,6 +46,9 @@ class Learner:
         self.grad_clip, self.micro_batch_tokens = grad_clip, micro_batch_tokens
         self.logprob_chunk, self.precision, self.temperature = logprob_chunk, precision, temperature
         self.kl_fn, self.kl_coef, self.ppo_epochs = kl_fn, kl_coef, ppo_epochs
+        self.kl_loss_coef = 0.0 if kl_in_reward else kl_coef  # else the driver puts it in the reward
+        self.entropy_coef = entropy_coef
+        self.correction_fn, self.correction_options = correction_fn, dict(correction_options or {})
         self.ref_model = None
         if kl_coef > 0 and not hasattr(model, "disable_adapter"):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -49,10 +60,11 @@ class Learner:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logprobs(self, model, rows: Batch) -> torch.Tensor:
+    def _logprobs(self, model, rows: Batch, with_entropy: bool = False):
         with self._autocast():
             return token_logprobs(model, rows.input_ids, rows.attention_mask, rows.loss_mask,
-                                  chunk=self.logprob_chunk, temperature=self.temperature)
+                                  chunk=self.logprob_chunk, temperature=self.temperature,
+                                  with_entropy=with_entropy)
 
     @torch.no_grad()
     def _ref_logprobs(self, rows: Batch) -> torch.Tensor:
@@ -61,33 +73,83 @@ class Learner:
         with self.model.disable_adapter():
             return self._logprobs(self.model, rows)
 
+    @torch.no_grad()
+    def _over_batch(self, batch: Batch, fn: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
+        """[N, L] values of `fn` on each micro-batch of `batch`, put back in row order."""
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float64)
+        for idx in micro_batches(batch, self.micro_batch_tokens):
+            rows = _select(batch, idx, self.device)
+            out[idx, : rows.loss_mask.shape[1]] = fn(rows).double().cpu()
+        return out
+
+    def reference_kl(self, batch: Batch) -> torch.Tensor:
+        """[N, L] per-token KL estimate of the behaviour policy against the reference,
+        kl_fn(behaviour logp, reference logp) on response tokens (0 elsewhere): the
+        KL-in-reward penalty. Needs kl_coef > 0 (the reference model)."""
+        if self.kl_coef <= 0:
+            raise ValueError("reference_kl needs kl_coef > 0 (no reference model otherwise)")
+        self.model.eval()
+        return self._over_batch(batch, lambda rows: self.kl_fn(
+            rows.old_logprobs, self._ref_logprobs(rows).to(rows.old_logprobs.dtype)
+        ) * rows.loss_mask)
+
+    def _correct(self, batch: Batch) -> tuple[Batch, torch.Tensor | None, dict[str, float]]:
+        """(batch with the learner's own old log-probs, per-token weights, metrics)."""
+        if self.correction_fn is None:
+            return batch, None, {}
+        self.model.eval()  # no dropout in the recomputed log-probs
+        old = self._over_batch(batch, lambda rows: self._logprobs(self.model, rows))
+        old = old.to(batch.old_logprobs.dtype) * batch.loss_mask
+        weights, metrics = self.correction_fn(old, batch.old_logprobs, batch.loss_mask,
+                                              **self.correction_options)
+        corrected = dataclasses.replace(batch, old_logprobs=old)
+        return corrected, weights, {f"correction_{k}": v for k, v in metrics.items()}
+
     def update(self, batch: Batch) -> dict[str, float]:
         """One optimizer step per PPO epoch over `batch`; returns averaged metrics."""
+        batch, weights, correction = self._correct(batch)
         self.model.train()
         totals = {"num_tokens": max(batch.num_response_tokens, 1), "num_seqs": batch.num_rows}
         metrics: dict[str, float] = {}
         for _ in range(self.ppo_epochs):
-            metrics = self._step(batch, totals)
+            metrics = self._step(batch, totals, weights)
         self.model.eval()
-        return metrics
+        return metrics | correction
 
-    def _step(self, batch: Batch, totals: dict) -> dict[str, float]:
+    def _penalties(self, logp, entropy, rows: Batch, totals: dict, sums: dict) -> torch.Tensor:
+        """KL penalty + entropy bonus of one micro-batch, aggregated like the policy loss
+        (normalised by batch totals, so micro-batch parts add up)."""
+        agg = self.loss_options.get("aggregation", "token-mean")
+        extra = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        if self.kl_loss_coef > 0:
+            kl = self.kl_fn(logp, self._ref_logprobs(rows))
+            kl_loss = aggregate(kl, rows.loss_mask, agg,
+                                max_tokens=self.loss_options.get("max_tokens"), **totals)
+            extra = extra + self.kl_loss_coef * kl_loss
+            sums["kl"] = sums.get("kl", 0.0) + kl_loss.item()
+        if entropy is not None:
+            ent = aggregate(entropy, rows.loss_mask, agg,
+                            max_tokens=self.loss_options.get("max_tokens"), **totals)
+            extra = extra - self.entropy_coef * ent
+            sums["entropy"] = sums.get("entropy", 0.0) + ent.item()
+        return extra
+
+    def _step(self, batch: Batch, totals: dict, weights: torch.Tensor | None) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         finite = True
         for idx in micro_batches(batch, self.micro_batch_tokens):
             rows = _select(batch, idx, self.device)
-            logp = self._logprobs(self.model, rows)
+            entropy = None
+            if self.entropy_coef > 0:
+                logp, entropy = self._logprobs(self.model, rows, with_entropy=True)
+            else:
+                logp = self._logprobs(self.model, rows)
+            extra = {} if weights is None else {
+                "weights": weights[idx][:, : logp.shape[1]].to(self.device, logp.dtype)}
             loss, m = self.loss_fn(logp, rows.old_logprobs, rows.advantages, rows.loss_mask,
-                                   **self.loss_options, **totals)
-            if self.kl_coef > 0:
-                kl = self.kl_fn(logp, self._ref_logprobs(rows))
-                kl_loss = aggregate(kl, rows.loss_mask, self.loss_options.get(
-                    "aggregation", "token-mean"), max_tokens=self.loss_options.get("max_tokens"),
-                    **totals)
-                loss = loss + self.kl_coef * kl_loss
-                # both terms are normalised by batch totals: micro-batch parts add up
-                sums["kl"] = sums.get("kl", 0.0) + kl_loss.item()
+                                   **self.loss_options, **totals, **extra)
+            loss = loss + self._penalties(logp, entropy, rows, totals, sums)
             if not torch.isfinite(loss):
                 finite = False
                 break

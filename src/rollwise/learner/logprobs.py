@@ -13,29 +13,39 @@ import torch
 
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
-    """log softmax(h W^T / T)[target] for rows of h, chunk by chunk; grads for h and W."""
+    """log softmax(h W^T / T)[target] for rows of h, chunk by chunk; grads for h and W.
+
+    With `with_entropy` it also returns the entropy H = -sum_v p_v log p_v of each row's
+    distribution (else an empty tensor); dH/dz_v = -p_v (z_v - sum_u p_u z_u), z = logits/T.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, temperature, dtype):
+    def forward(ctx, hidden, weight, targets, chunk, temperature, dtype, with_entropy):
         # hidden [M, H], weight [V, H], targets [M] -> [M] in float32 (float64 for float64 models)
         acc = torch.promote_types(dtype, torch.float32)  # softmax precision
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        ent = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=acc, device=hidden.device)
         w = weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
                 logits = (hidden[s: s + chunk].to(dtype) @ w.T).to(acc) / temperature
                 picked = logits.gather(1, targets[s: s + chunk, None])[:, 0]
-                out[s: s + chunk] = picked - logits.logsumexp(-1)
+                lse = logits.logsumexp(-1)
+                out[s: s + chunk] = picked - lse
+                if with_entropy:
+                    ent[s: s + chunk] = lse - (logits.softmax(-1) * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk, ctx.temperature, ctx.dtype = chunk, temperature, dtype
-        return out
+        ctx.with_entropy = with_entropy
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_ent):
         hidden, weight, targets = ctx.saved_tensors
         chunk, temp, dtype = ctx.chunk, ctx.temperature, ctx.dtype
         w = weight.to(dtype)
         acc = torch.promote_types(dtype, torch.float32)
+        use_ent = ctx.with_entropy and grad_ent is not None
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
             if ctx.needs_input_grad[1] else None
@@ -43,16 +53,22 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             for s in range(0, hidden.shape[0], chunk):
                 h = hidden[s: s + chunk].to(dtype)
                 g_out = grad_out[s: s + chunk].to(acc)
-                probs = ((h @ w.T).to(acc) / temp).softmax(-1)
-                # d logp[target] / d logits = onehot(target) - softmax, scaled by 1/T
-                g = probs.mul_(-g_out[:, None])
+                z = (h @ w.T).to(acc) / temp
+                probs = z.softmax(-1)
+                # d logp[target] / dz = onehot(target) - softmax
+                coef = g_out[:, None]
+                if use_ent:  # plus g_H * dH/dz = -g_H p (z - E_p z)
+                    centred = z - (probs * z).sum(-1, keepdim=True)
+                    coef = coef + grad_ent[s: s + chunk].to(acc)[:, None] * centred
+                g = probs.mul_(-coef)
                 g.scatter_add_(1, targets[s: s + chunk, None], g_out[:, None])
                 g = (g / temp).to(dtype)
                 if grad_h is not None:
                     grad_h[s: s + chunk] = (g @ w).to(hidden.dtype)
                 if grad_w is not None:
                     grad_w += (g.T @ h).to(acc)
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def backbone_and_head(model):
@@ -62,11 +78,13 @@ def backbone_and_head(model):
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor, *, chunk: int = 1024,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """[N, L] log pi(input_ids[t] | input_ids[<t]) where loss_mask[t] is 1, else 0.
+                   loss_mask: torch.Tensor, *, chunk: int = 1024, temperature: float = 1.0,
+                   with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[N, L] log pi(input_ids[t] | input_ids[<t]) where loss_mask[t] is 1, else 0; with
+    `with_entropy`, also [N, L] the entropy of pi(. | input_ids[<t]) at those positions.
 
     Right-padded rows (prompt, response, padding); position 0 is never a response token.
+    The entropy costs one extra reduction per chunk and is skipped unless asked for.
     """
     decoder, weight = backbone_and_head(model)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -75,7 +93,12 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     targets = input_ids[:, 1:][select]  # [M]
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) \
         else h.dtype
-    picked = _ChunkedTokenLogprob.apply(h, weight, targets, chunk, temperature, dtype)
-    out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=input_ids.device)
-    out[:, 1:] = out[:, 1:].masked_scatter(select, picked)
-    return out
+    picked, ent = _ChunkedTokenLogprob.apply(h, weight, targets, chunk, temperature, dtype,
+                                             with_entropy)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(input_ids.shape, dtype=values.dtype, device=input_ids.device)
+        out[:, 1:] = out[:, 1:].masked_scatter(select, values)
+        return out
+
+    return (scatter(picked), scatter(ent)) if with_entropy else scatter(picked)

@@ -51,6 +51,11 @@ class RewardStats:
     num_timeouts: int  # verifier calls cut off after timeout_s
     seconds: float  # wall time of the call
 
+    def __add__(self, other: RewardStats) -> RewardStats:
+        """The stats of two calls together (a step that rolled out more than once)."""
+        return RewardStats(self.num_scored + other.num_scored, self.num_errors + other.num_errors,
+                           self.num_timeouts + other.num_timeouts, self.seconds + other.seconds)
+
 
 class _Interrupt(BaseException):
     """Raised asynchronously inside a worker whose verifier overran; BaseException so that a

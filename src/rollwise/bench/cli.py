@@ -1,0 +1,56 @@
+"""The `rollwise bench` command group. Each command: run, print a table, write --json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rollwise.bench.common import print_table, write_results
+
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="Benchmarks: print a table, write --json and an HTML page.")
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write results here (+ .html).")]
+ModelOpt = Annotated[str, typer.Option(help="'tiny' or 'smollm2-135m'.")]
+ThreadsOpt = Annotated[int, typer.Option(help="Torch CPU threads (0: all cores).")]
+
+
+def _say(message: str) -> None:
+    typer.echo(f"  {message}", err=True)
+
+
+@bench_app.command("rollout")
+def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
+            prompts: Annotated[int, typer.Option(help="Natural workload: prompts.")] = 16,
+            n: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
+            max_tokens: Annotated[int, typer.Option(help="Natural workload: max tokens.")] = 256,
+            fixed_batch: Annotated[int, typer.Option(help="Fixed workload: sequences.")] = 64,
+            fixed_tokens: Annotated[int, typer.Option(help="Fixed workload: tokens.")] = 64,
+            reps: Annotated[int, typer.Option(help="Alternating repetitions per side.")] = 3,
+            dtype: Annotated[str, typer.Option(help="Native engine dtype.")] = "float32",
+            workload: Annotated[list[str] | None, typer.Option(
+                help="natural and/or fixed (repeatable; default both).")] = None,
+            device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+            threads: ThreadsOpt = 0):
+    """B1: native engine vs Hugging Face generate, tokens/s and roofline fraction."""
+    from rollwise.bench import rollout as b1
+    from rollwise.runtime import configure
+
+    configure(threads)
+    data = b1.run(model, prompts=prompts, n=n, max_tokens=max_tokens, fixed_batch=fixed_batch,
+                  fixed_tokens=fixed_tokens, reps=reps, dtype=dtype, device=device,
+                  workloads=tuple(workload or ("natural", "fixed")), progress=_say)
+    print_table(f"B1 rollout throughput: {model}, {data['threads']} threads", data["results"],
+                ["workload", "engine", "tokens_per_s", "wall_s", "generated_tokens",
+                 "forward_passes", "latency_p50_s", "latency_p99_s", "slot_waste", "roofline",
+                 "decode_roofline"])
+    for r in data["ratios"]:
+        typer.echo(f"{r['workload']}: native / hf tokens/s = "
+                   f"{r['native_over_hf_tokens_per_s']:.2f}x (median of {len(r['per_rep'])})")
+    c = data["checks"]
+    typer.echo(f"checks: greedy identical to generate on {c['greedy_identical']:.0%} of "
+               f"{c['greedy_prompts']} prompts; max |log-prob error| {c['max_logprob_error']:.2e}")
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")

@@ -1,0 +1,89 @@
+"""Shared pieces of the benchmarks: the arithmetic workload, the matmul peak, medians, and
+printing/writing results (a rich table, JSON, and the HTML page)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def load_workload(model: str, num_prompts: int, seed: int = 0, device: str = "cpu"):
+    """(policy, prompt ids) for the two-digit arithmetic task the configs train on: the
+    tiny model warm-started exactly as `configs/tiny_arith.toml` does (shared cache)."""
+    from rollwise.config import TinyConfig
+    from rollwise.models import load_policy
+    from rollwise.tasks import make_task
+
+    chat = model != "tiny"
+    task = make_task("arith", seed=seed, num_train=2000, num_eval=200, chat=chat, digits=2,
+                     terms=2)
+    if model == "tiny":
+        warm = [(s.prompt, s.reference) for s in task.train if s.reference]
+        policy = load_policy("tiny", device=device, warm_start=warm,
+                             tiny=TinyConfig().model_dump() | {"seed": seed})
+    else:
+        policy = load_policy(model, device=device)
+    samples = (task.eval * (num_prompts // len(task.eval) + 1))[:num_prompts]
+    return policy, [policy.encode(s.prompt) for s in samples]
+
+
+def matmul_peak_gflops(dtype: torch.dtype, size: int = 2048, reps: int = 5,
+                       device: str = "cpu") -> float:
+    """Median GFLOP/s of a plain size x size matrix product in `dtype` on this machine now."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        if a.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="left" if c in ("engine", "workload", "strategy") else "right")
+    for r in rows:
+        table.add_row(*[_fmt(r.get(c)) for c in columns])
+    Console().print(table)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)
+
+
+def write_results(data: dict, json_path: Path | None) -> Path | None:
+    """Write the JSON and its HTML page next to it; returns the page's path."""
+    if json_path is None:
+        return None
+    from rollwise.observe import write_bench_report
+
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(data, indent=2))
+    return write_bench_report(json_path)
