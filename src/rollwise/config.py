@@ -76,6 +76,10 @@ class TaskConfig(_Section):
         description="Reward terms and weights: 'correct' (the task verifier), 'format', ...; "
         "group terms 'majority_vote', 'dare' (test-time RL without labels).",
     )
+    reward_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Options of group reward terms by name, e.g. { dare = { alpha = 0.5 } }.",
+    )
     reward_timeout_s: float = Field(5.0, gt=0, description="Time limit of one verifier call.")
 
 
