@@ -145,7 +145,7 @@ def build(cfg: Config) -> Stages:
     eval_max = e.max_tokens or r.max_tokens
     eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
-    engine = _build_engine(r.engine, policy, r.batch_size)
+    engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens)
     specs = [RewardSpec(name, task.verifier if name == "correct" else get_verifier(name), w)
              for name, w in t.rewards.items() if name not in GROUP_REWARDS]
     group_terms = _group_terms(cfg)
@@ -165,7 +165,8 @@ def build(cfg: Config) -> Stages:
             corrections, a.correction, "correction"),
         correction_options={"cap": a.correction_cap, "low": a.correction_low})
     evaluator = Evaluator(
-        engine=_build_engine(r.engine, policy, e.batch_size), prompts=eval_prompts,
+        engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens),
+        prompts=eval_prompts,
         pool=RewardPool([RewardSpec("correct", task.verifier)], timeout_s=t.reward_timeout_s),
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
         temperature=r.temperature or 1.0, chunk=e.batch_size)
@@ -204,10 +205,10 @@ def _group_terms(cfg: Config) -> list[GroupTerm]:
     return terms
 
 
-def _build_engine(name: str, policy: Policy, batch_size: int) -> Engine:
-    if name == "hf":
-        from rollwise.engine.hf import HFEngine
+def _build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int) -> Engine:
+    from rollwise.engine import make_engine
 
-        return HFEngine(policy.model, pad_token_id=policy.tokenizer.pad_token_id,
-                        eos_token_ids=policy.stop_ids, batch_size=batch_size)
-    raise ValueError(f"unknown engine '{name}'; available: hf")
+    options = {"kv_budget_tokens": kv_budget_tokens} if name == "native" else {}
+    return make_engine(name, policy.model, eos_token_ids=policy.stop_ids,
+                       pad_token_id=policy.tokenizer.pad_token_id, batch_size=batch_size,
+                       **options)

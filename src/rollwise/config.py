@@ -84,7 +84,12 @@ class TaskConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine ('hf': HF generate).")
+    engine: Literal["native", "hf"] = Field(
+        "native", description="Generation engine: 'native' (continuous batching, shared "
+        "prompts; falls back to 'hf' for other architectures) or 'hf' (HF generate).")
+    kv_budget_tokens: int = Field(
+        65536, ge=1, description="Native engine: tokens its KV cache may hold (requests "
+        "beyond it wait or are preempted and recomputed).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per training step.")
     group_size: int = Field(8, ge=1, description="Rollouts per prompt (G).")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
@@ -94,7 +99,8 @@ class RolloutConfig(_Section):
     max_prompt_tokens: int = Field(
         512, ge=1, description="Longer prompts are skipped and counted."
     )
-    batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+    batch_size: int = Field(
+        64, ge=1, description="Sequences decoded at once (native: max concurrent; hf: per call).")
 
 
 class AlgorithmConfig(_Section):
