@@ -163,7 +163,7 @@ def test_unknown_task_and_option_suggest_close_names() -> None:
         make_task("arith", path="data.jsonl")
     with pytest.raises(ValueError, match=re.escape("ops='+/'")):
         make_task("arith", ops="+/")
-    assert set(TASKS) == {"arith", "arith_chain", "countdown", "file"}
+    assert set(TASKS) == {"arith", "arith_chain", "arith_mix", "countdown", "file"}
     assert task_options("arith_chain") == {
         "p": 0.35, "max_terms": 24, "digits": 1, "ops": "+", "style": None,
     }
@@ -266,3 +266,15 @@ def test_malformed_tables_and_paths(tmp_path) -> None:
         make_task("file", path=str(tmp_path / "tiny.jsonl"))
     with pytest.raises(ValueError, match="did you mean 'math_verify'"):
         make_task("file", path=str(tmp_path / "tiny.jsonl"), verifier="math_verfy", num_eval=0)
+
+
+def test_arith_mix_draws_every_level_and_checks_them() -> None:
+    task = make_task("arith_mix", seed=0, num_train=300, num_eval=60, levels=["1x3", "2x2"])
+    levels = [(s.meta["digits"], s.meta["terms"]) for s in task.train]
+    assert set(levels) == {(1, 3), (2, 2)} and 0.35 < levels.count((1, 3)) / 300 < 0.65
+    for s in task.train[:20]:
+        numbers = [int(x) for x in s.prompt[:-1].split("+")]
+        assert len(numbers) == s.meta["terms"] and str(sum(numbers)) == s.answer
+        assert task.verifier(s.reference, s) == 1.0
+    with pytest.raises(ValueError, match="level '2y2'"):
+        make_task("arith_mix", levels=["2y2"])

@@ -6,7 +6,7 @@ objects and exposes one method per stage of the driver in `loop.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from rollwise.algos import (
     policy_losses,
 )
 from rollwise.config import Config
-from rollwise.control import UniformSampler
+from rollwise.control import Controller, PosteriorBook, Request, UniformSampler, make_allocator
 from rollwise.engine.base import Engine, SamplingParams
 from rollwise.evaluate import Evaluator
 from rollwise.learner import Learner, prepare_batch
@@ -61,15 +61,46 @@ class Stages:
         """Groups one update trains on (the filter may leave fewer; refills top it up)."""
         return self.sampler.per_step
 
+    control: Controller | None = None  # the rollout allocator (None: uniform over `sampler`)
+
+    def __post_init__(self):
+        if self.control is None:
+            self.control = Controller(
+                self.sampler.items, make_allocator("uniform"), PosteriorBook(),
+                prompts_per_step=self.sampler.per_step, group_size=self.sampling.n,
+                sampler=self.sampler)
+
     @property
     def model(self):
         return self.policy.model
 
-    def select(self) -> list[EncodedPrompt]:
-        return self.sampler.next()
+    def select(self) -> list[Request]:
+        """The allocator's first round of the step: which prompts, how many rollouts each."""
+        return self.control.plan()
 
-    def rollout(self, prompts: list[EncodedPrompt]) -> list[Group]:
-        return generate_groups(self.engine, prompts, self.sampling, self.policy.decode)
+    def rollout(self, requests: list[Request]) -> list[Group]:
+        """One engine call per distinct group size; groups come back in request order."""
+        by_n: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_n.setdefault(r.n, []).append(i)
+        groups: list[Group] = [None] * len(requests)  # type: ignore[list-item]
+        for n, rows in by_n.items():
+            out = generate_groups(self.engine, [requests[i].prompt for i in rows],
+                                  replace(self.sampling, n=n), self.policy.decode)
+            for i, g in zip(rows, out):
+                groups[i] = g
+        return groups
+
+    def observe(self, groups: list[Group]) -> list[Request]:
+        """Scored groups update the prompt posteriors; the allocator's next round, or []."""
+        return self.control.observe(groups)
+
+    def allocation(self) -> tuple[list[Group], list[Group]]:
+        """(every group of the step merged per prompt, the groups the allocator trains on)."""
+        return self.control.finish()
+
+    def control_metrics(self) -> dict[str, float]:
+        return dict(self.control.last)
 
     def score(self, groups: list[Group]) -> RewardStats:
         stats = self.rewards.score([t for g in groups for t in g.trajectories])
@@ -96,11 +127,14 @@ class Stages:
 
     def state_dict(self) -> tuple[dict, dict]:
         return self.learner.state_dict(), {"sampler": self.sampler.state_dict(),
-                                           "version": self.engine.version}
+                                           "version": self.engine.version,
+                                           "control": self.control.state_dict()}
 
     def load_state_dict(self, learner_state: dict, state: dict) -> None:
         self.learner.load_state_dict(learner_state)
         self.sampler.load_state_dict(state["sampler"])
+        if "control" in state:  # checkpoints before adaptive allocation have none
+            self.control.load_state_dict(state["control"])
         self.engine.publish(state["version"])
 
 
@@ -170,9 +204,9 @@ def build(cfg: Config) -> Stages:
         pool=RewardPool([RewardSpec("correct", task.verifier)], timeout_s=t.reward_timeout_s),
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
         temperature=r.temperature or 1.0, chunk=e.batch_size)
+    sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
     return Stages(
-        policy=policy, task=task,
-        sampler=UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed),
+        policy=policy, task=task, sampler=sampler, control=_build_control(cfg, sampler),
         engine=engine,
         sampling=SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, max_tokens=r.max_tokens),
@@ -203,6 +237,17 @@ def _group_terms(cfg: Config) -> list[GroupTerm]:
         terms.append(GroupTerm("overlong", get_group_reward("overlong"), a.overlong_penalty,
                                {"max_tokens": cfg.rollout.max_tokens, "buffer": a.overlong_buffer}))
     return terms
+
+
+def _build_control(cfg: Config, sampler: UniformSampler) -> Controller:
+    c, r = cfg.control, cfg.rollout
+    book = PosteriorBook(prior=c.prior, decay_fast=c.decay_fast, decay_slow=c.decay_slow,
+                         stale_after=c.stale_after)
+    options = c.model_dump(exclude={"allocator", "explore", "prior", "decay_fast", "decay_slow",
+                                    "stale_after"})
+    return Controller(sampler.items, make_allocator(c.allocator, **options), book,
+                      prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+                      explore=c.explore, seed=cfg.run.seed, sampler=sampler)
 
 
 def _build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int) -> Engine:

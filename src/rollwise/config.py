@@ -64,7 +64,9 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: str = Field("arith", description="'arith', 'arith_chain', 'countdown' or 'file'.")
+    name: str = Field(
+        "arith", description="'arith', 'arith_chain', 'arith_mix', 'countdown' or 'file'."
+    )
     num_train: int = Field(2000, ge=1, description="Training prompts generated (or read).")
     num_eval: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
     path: str | None = Field(None, description="Data file or directory for task 'file'.")
@@ -180,6 +182,54 @@ class EvalConfig(_Section):
     batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
 
 
+class ControlConfig(_Section):
+    """Rollout allocation: which prompts each step rolls out, how many rollouts each
+    (docs/allocation.md). Keys prefixed with an allocator's name only affect that allocator."""
+
+    allocator: Literal[
+        "uniform", "dynamic", "thompson", "pilot_commit", "dars", "vcrl", "gdro"
+    ] = Field("uniform", description="uniform (fixed G per prompt), dynamic (DAPO refill), "
+              "thompson (VADE), pilot_commit, dars, vcrl or gdro.")
+    explore: float = Field(
+        0.125, ge=0, le=1, description="Exploration floor: share of each step's prompt slots "
+        "filled from the uniform stream (thompson, pilot_commit, vcrl), so none starves.")
+    prior: tuple[float, float] = Field(
+        (1.0, 1.0), description="Beta prior (alpha0, beta0) of each prompt's success rate.")
+    decay_fast: float = Field(
+        0.99, gt=0, le=1, description="Per-step pull of every posterior toward the prior.")
+    decay_slow: float = Field(
+        0.9, gt=0, le=1, description="Extra per-step pull once a prompt is unseen for "
+        "stale_after steps.")
+    stale_after: int = Field(50, ge=0, description="Steps unseen before decay_slow applies.")
+    max_rounds: int = Field(3, ge=1, description="dynamic: rollout rounds per step at most.")
+    pilot_n: int = Field(2, ge=1, description="pilot_commit: pilot rollouts per prompt.")
+    pilot_factor: float = Field(
+        2.0, gt=0, description="pilot_commit: prompts piloted, in multiples of prompts_per_step.")
+    commit_n: int = Field(
+        0, ge=0, description="pilot_commit: least commit rollouts per committed prompt "
+        "(0: group_size - pilot_n); the rest of the budget is spread over the committed.")
+    band_low: float = Field(0.125, ge=0, le=1, description="pilot_commit: commit band, low.")
+    band_high: float = Field(0.75, ge=0, le=1, description="pilot_commit: commit band, high.")
+    dars_first_n: int = Field(
+        0, ge=0, description="dars: first-round rollouts per prompt (0: group_size // 2).")
+    dars_max_n: int = Field(32, ge=1, description="dars: most rollouts of one prompt (N_max).")
+    dars_schedule: Literal["et", "hw"] = Field(
+        "et", description="dars: equal treatment or hardness-weighted extra rollouts.")
+    dars_std: bool = Field(
+        True, description="dars: schedule for std-normalised advantages (GRPO).")
+    vcrl_kappa: float = Field(
+        0.3, ge=0, le=1, description="vcrl: train on groups with normalised variance >= kappa.")
+    vcrl_bank_frac: float = Field(
+        0.5, ge=0, le=1, description="vcrl: share of prompts replayed from the bank.")
+    vcrl_momentum: float = Field(0.9, ge=0, le=1, description="vcrl: bank priority momentum.")
+    vcrl_bank_size: int = Field(0, ge=0, description="vcrl: bank size (0: 4 x prompts_per_step).")
+    gdro_bins: int = Field(4, ge=1, description="gdro: difficulty bins of the posterior mean.")
+    gdro_hysteresis: float = Field(
+        0.05, ge=0, description="gdro: a prompt changes bin only beyond this margin.")
+    gdro_min_n: int = Field(2, ge=1, description="gdro: fewest rollouts per prompt.")
+    gdro_max_n: int = Field(32, ge=1, description="gdro: most rollouts per prompt.")
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -188,6 +238,7 @@ class Config(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
 
 
 class ConfigError(ValueError):

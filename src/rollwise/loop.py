@@ -2,6 +2,7 @@
 
     for each step:
         select prompts -> roll out groups -> score -> filter -> advantages -> update -> publish
+        (the allocator sees each round's scores and may ask for another round: docs/allocation.md)
         (while the filter leaves fewer groups than a batch, select and roll out more: at
         most `stages.refill_rounds` times; DAPO's dynamic sampling)
     evaluate before and after (and every N steps); checkpoint every N steps and on Ctrl-C.
@@ -26,7 +27,13 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
                     groups = stages.rollout(stages.select())
                 with timer("reward"):
                     reward_stats = stages.score(groups)
-                kept = stages.filter(groups)
+                while requests := stages.observe(groups):  # the allocator may ask for more
+                    with timer("rollout"):
+                        groups = stages.rollout(requests)
+                    with timer("reward"):
+                        reward_stats = reward_stats + stages.score(groups)
+                groups, chosen = stages.allocation()  # all groups of the step; those to train on
+                kept = stages.filter(chosen)
                 for _ in range(stages.refill_rounds):
                     if len(kept) >= stages.batch_groups:
                         break
@@ -40,7 +47,8 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
                     with timer("train"):
                         update = stages.update(stages.advantages(kept)) if kept else {}
                     stages.publish(step + 1)
-                    run.record_step(step + 1, num_steps, groups, kept, reward_stats, update, timer)
+                    run.record_step(step + 1, num_steps, groups, kept, reward_stats, update, timer,
+                                    control=stages.control_metrics())
                 if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
                     run.record_eval(step + 1, stages.evaluate())
                 if checkpoint_every and (step + 1) % checkpoint_every == 0:

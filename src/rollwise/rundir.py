@@ -140,7 +140,10 @@ class Run:
 
     # -- records -------------------------------------------------------------------------
     def record_step(self, step: int, num_steps: int, groups: list[Group], kept: list[Group],
-                    rewards: RewardStats, update: dict, timer: StepTimer) -> dict:
+                    rewards: RewardStats, update: dict, timer: StepTimer,
+                    control: dict | None = None) -> dict:
+        """One metrics line: `groups` are all groups rolled out this step, `kept` those trained
+        on, `control` the allocator's figures (zero_adv_frac, effective_samples, calib_brier..)."""
         trajs = [t for g in groups for t in g.trajectories]
         lengths = [t.num_tokens for t in trajs]
         phases = timer.phases
@@ -161,13 +164,14 @@ class Run:
             "zero_var_frac": statistics.fmean(g.zero_variance for g in groups),
             "groups": len(groups), "groups_kept": len(kept),
             "rollouts": c["rollouts"], "tokens": c["tokens"],
+            "step_rollouts": len(trajs), "step_tokens": sum(lengths),
             "rollout_tokens_per_s": sum(lengths) / max(phases.get("rollout", 0.0), 1e-9),
             "train_tokens_per_s": sum(len(t.prompt_ids) + t.num_tokens for g in kept
                                       for t in g.trajectories) / max(phases.get("train", 1e-9), 1e-9),
             **{f"time_{k}": v for k, v in phases.items()},
             "time_other": max(seconds - sum(phases.values()), 0.0),
             "reward_errors": rewards.num_errors, "reward_timeouts": rewards.num_timeouts,
-            **update,
+            **update, **(control or {}),
         }
         self.store.add_groups(step, groups)
         self.metrics.write(record)

@@ -1,41 +1,15 @@
-"""Which prompts each step trains on. For now: uniform, epoch by epoch, in a seeded order.
+"""Control: which prompts each step trains on and how many rollouts each gets.
 
-Adaptive allocation (how many rollouts each prompt gets) plugs in beside `UniformSampler`.
+- `UniformSampler`: the seeded epoch-by-epoch prompt stream.
+- `PosteriorBook`: a Beta posterior of each prompt's success rate with two-scale decay.
+- `Allocator` protocol and `ALLOCATORS` (uniform, dynamic, thompson, pilot_commit, dars, vcrl,
+  gdro), driven round by round by a `Controller`. See docs/allocation.md.
 """
 
-from __future__ import annotations
+from rollwise.control.allocators import ALLOCATORS, make_allocator
+from rollwise.control.controller import Allocator, Controller, Request, merge_groups
+from rollwise.control.posterior import PosteriorBook
+from rollwise.control.sampler import UniformSampler
 
-import random
-from typing import Generic, TypeVar
-
-T = TypeVar("T")
-
-
-class UniformSampler(Generic[T]):
-    """Draws `per_step` items per step without replacement within an epoch; reshuffles each
-    epoch with seed (seed, epoch). Its whole state is the cursor, so resuming is exact."""
-
-    def __init__(self, items: list[T], per_step: int, seed: int = 0):
-        if not items:
-            raise ValueError("no prompts to train on (all skipped or the task is empty)")
-        self.items, self.per_step, self.seed = items, per_step, seed
-        self.cursor = 0  # items drawn so far, over all epochs
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.items)))
-        random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order
-
-    def next(self) -> list[T]:
-        out = []
-        for _ in range(self.per_step):
-            epoch, pos = divmod(self.cursor, len(self.items))
-            out.append(self.items[self._order(epoch)[pos]])
-            self.cursor += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"cursor": self.cursor}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.cursor = int(state["cursor"])
+__all__ = ["ALLOCATORS", "Allocator", "Controller", "PosteriorBook", "Request", "UniformSampler",
+           "make_allocator", "merge_groups"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollwise.rewards.verifiers import unknown_name_error
-from rollwise.tasks.arith import build_arith, build_arith_chain
+from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
 from rollwise.tasks.base import Task
 from rollwise.tasks.countdown import build_countdown
 from rollwise.tasks.files import DatasetError, build_file, load_samples
@@ -20,6 +20,7 @@ from rollwise.tasks.files import DatasetError, build_file, load_samples
 TASKS: dict[str, Callable[..., Task]] = {
     "arith": build_arith,
     "arith_chain": build_arith_chain,
+    "arith_mix": build_arith_mix,
     "countdown": build_countdown,
     "file": build_file,
 }
@@ -58,7 +59,7 @@ def make_task(
     >>> make_task("arithh")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, countdown, file
+    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file
     """
     accepted = task_options(name)
     if path is not None:

@@ -172,3 +172,49 @@ def build_arith_chain(
         unique=False,  # short chains have few distinct prompts; deduping would thin them out
     )
     return Task("arith_chain", train, eval_, final_number)
+
+
+def _parse_level(level: str) -> tuple[int, int]:
+    """'2x3' -> (digits 2, terms 3)."""
+    try:
+        digits, terms = (int(x) for x in str(level).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"level {level!r}: expected 'DxT' (digits x terms), e.g. '2x3'") from None
+    if not 1 <= digits <= 12 or not 2 <= terms <= 64:
+        raise ValueError(f"level {level!r}: digits must be 1-12 and terms 2-64")
+    return digits, terms
+
+
+def _draw_mix(rng: random.Random, levels: list[tuple[int, int]], ops: str, style: str) -> Sample:
+    digits, terms = rng.choice(levels)
+    return _draw_arith(rng, digits, terms, ops, style)
+
+
+def build_arith_mix(
+    *,
+    seed: int = 0,
+    num_train: int = 2000,
+    num_eval: int = 200,
+    chat: bool = False,
+    levels: tuple[str, ...] = ("1x2", "2x2", "3x3"),
+    ops: str = "+",
+    style: str | None = None,
+) -> Task:
+    """Mixed difficulty: each prompt is plain arith at a level drawn uniformly from `levels`
+    ('DxT' = T numbers of D digits), so easy, medium and hard prompts share one task (for
+    benchmarking rollout allocation, docs/allocation.md). meta = {"terms", "digits"}.
+
+    >>> task = build_arith_mix(seed=0, num_train=30, num_eval=3, levels=("1x2", "3x3"))
+    >>> sorted({(s.meta["digits"], s.meta["terms"]) for s in task.train})
+    [(1, 2), (3, 3)]
+    """
+    parsed = [_parse_level(level) for level in levels]
+    style = _check_common(max(d for d, _ in parsed), ops, style, chat)
+    if not parsed:
+        raise ValueError("option levels=(): give at least one level, e.g. ['1x2', '2x2']")
+    draw = partial(_draw_mix, levels=parsed, ops=ops, style=style)
+    train, eval_ = draw_split(
+        draw, name="arith_mix", seed=seed, num_train=num_train, num_eval=num_eval, chat=chat,
+        unique=True,
+    )
+    return Task("arith_mix", train, eval_, final_number)
