@@ -107,6 +107,7 @@ class NativeEngine:
     def max_context(self) -> int:
         return self.decoder.max_context
 
+    @torch.inference_mode()
     def publish(self, version: int) -> None:
         """New weights are in place: later tokens carry `version`. Cached prompts of groups
         with no running row are dropped (recomputed under the new weights when needed)."""
@@ -166,6 +167,7 @@ class NativeEngine:
         """The request's tokens so far (finish_reason 'abort' if it were stopped now)."""
         return self._completion(self._requests[rid], "abort")
 
+    @torch.inference_mode()
     def abort(self, rid: int) -> Completion:
         """Stop a request; its partial tokens, log-probs and versions come back."""
         req = self._requests[rid]
