@@ -54,3 +54,37 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")
+
+
+@bench_app.command("alloc")
+def alloc(model: ModelOpt = "tiny", json: JsonOpt = None,
+          allocator: Annotated[list[str] | None, typer.Option(
+              help="Allocators to compare with uniform (repeatable; default all).")] = None,
+          seeds: Annotated[int, typer.Option(help="Seeds per allocator (medians).")] = 1,
+          steps: Annotated[int, typer.Option(help="Training steps per run.")] = 120,
+          eval_every: Annotated[int, typer.Option(help="Held-out evaluation interval.")] = 10,
+          target: Annotated[float | None, typer.Option(
+              help="Target held-out accuracy (default: target-frac x uniform's best).")] = None,
+          target_frac: Annotated[float, typer.Option(help="See --target.")] = 0.9,
+          set_: Annotated[list[str] | None, typer.Option(
+              "--set", help="Config override for every run, e.g. control.explore=0.25.")] = None,
+          threads: ThreadsOpt = 1):
+    """B4: rollouts, tokens and seconds to a target accuracy, per allocator vs uniform."""
+    from rollwise.bench import alloc as b4
+    from rollwise.control import ALLOCATORS
+
+    unknown = [a for a in allocator or [] if a not in ALLOCATORS]
+    if unknown:
+        raise typer.BadParameter(f"unknown allocator {unknown[0]!r}; "
+                                 f"available: {', '.join(ALLOCATORS)}")
+    data = b4.run(model, allocators=tuple(allocator or b4.DEFAULT_ALLOCATORS),
+                  seeds=tuple(range(seeds)), steps=steps, eval_every=eval_every, target=target,
+                  target_frac=target_frac, extra=[f"run.threads={threads}", *(set_ or [])],
+                  progress=_say)
+    print_table(f"B4 allocation: {model}, target accuracy {data['target']:.3f}",
+                data["allocators"],
+                ["allocator", "rollouts_to_target", "rollouts_speedup", "tokens_to_target",
+                 "seconds_to_target", "final_accuracy", "zero_adv_frac", "effective_frac"])
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")

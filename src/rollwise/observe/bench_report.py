@@ -3,6 +3,7 @@
 The JSON is walked as a tree: the scalars of each object form a key/value table, nested
 objects become sections, every list of objects becomes a table, and when such a list has a
 name-like string column and numeric columns, each numeric column also gets a bar chart.
+An optional top-level "curves" entry is drawn as line plots (see `_curves`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,26 @@ def write_bench_report(json_path: Path, out: Path | None = None) -> Path:
     data = json.loads(json_path.read_text(encoding="utf-8"))
     out = Path(out) if out is not None else json_path.with_suffix(".html")
     title = f"rollwise benchmark: {json_path.stem}"
-    body = f"<h1>{escape(title)}</h1>\n" + "\n".join(_render(data, depth=0))
+    curves = data.pop("curves", None) if isinstance(data, dict) else None
+    body = f"<h1>{escape(title)}</h1>\n" + "\n".join(_curves(curves) + _render(data, depth=0))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html.page(title, body), encoding="utf-8")
     return out
+
+
+def _curves(curves: Any) -> list[str]:
+    """Line plots of an optional top-level "curves" entry:
+    {title: {"x": x label, "y": y label, "series": {name: [[x, y], ...]}}}."""
+    if not isinstance(curves, dict):
+        return []
+    figures = []
+    for title, c in curves.items():
+        series = {name: [(float(x), float(y)) for x, y in points]
+                  for name, points in c.get("series", {}).items()}
+        png = plots.line_plot(series, c.get("x", "x"), c.get("y", "y"), title)
+        if png is not None:
+            figures.append(html.figure(png, title))
+    return [_heading("curves", 0), '<div class="figures">', *figures, "</div>"] if figures else []
 
 
 def _is_records(value: Any) -> bool:

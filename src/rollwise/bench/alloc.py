@@ -1,0 +1,143 @@
+"""B4, allocation efficiency: rollouts, tokens and wall time until held-out accuracy reaches a
+target, for each allocator against `uniform` (GRPO with a fixed group size), on a task of
+mixed difficulty, with the same per-step budget, steps and seeds.
+
+Each allocator trains a fresh policy (the same warm start) through the real driver; held-out
+greedy accuracy is measured every `eval_every` steps. `rollouts_to_target` is the cumulative
+rollouts at the first evaluation at or above the target (None if never reached). The target
+defaults to `target_frac` of uniform's best accuracy, so every allocator is compared at a
+level the baseline reaches. Figures are medians over seeds; ratios are uniform / allocator.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ALLOCATORS = ("uniform", "dynamic", "thompson", "pilot_commit", "dars", "vcrl", "gdro")
+
+
+def bench_config(model: str, allocator: str, seed: int, steps: int, eval_every: int,
+                 out: Path, extra: list[str] | None = None):
+    """The B4 training config: arith_mix (easy 1x2, medium 2x2, hard 2x3 prompts)."""
+    from rollwise.config import load_config
+
+    overrides = [
+        f"run.name='{allocator}-s{seed}'", f"run.output_dir='{out}'", f"run.seed={seed}",
+        f"run.num_steps={steps}", "run.overwrite=true", f"model.name='{model}'",
+        "task.name='arith_mix'", "task.options={levels=['1x2', '2x2', '2x3']}",
+        "task.num_train=512", "task.num_eval=200", "rollout.prompts_per_step=16",
+        "rollout.group_size=8", "rollout.max_tokens=16", "learner.lr=4e-4",
+        "learner.warmup_steps=10", f"eval.every={eval_every}", f"control.allocator='{allocator}'",
+    ]
+    if model != "tiny":
+        overrides += ["rollout.max_tokens=96", "learner.lr=1e-5", "rollout.temperature=0.7"]
+    return load_config(None, overrides + list(extra or []))
+
+
+def train_one(cfg) -> list[dict[str, Any]]:
+    """Train one config; its metrics records (train and eval lines)."""
+    from rollwise.build import build
+    from rollwise.loop import train
+    from rollwise.rundir import Run
+
+    stages = build(cfg)
+    root = Path(cfg.run.output_dir) / cfg.run.name
+    train(stages, Run(root, resume=False, echo=lambda s: None), cfg.run.num_steps,
+          eval_every=cfg.eval.every)
+    return [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarise(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """Cost to the first evaluation at or above `target`, and whole-run allocation figures.
+
+    >>> recs = [{"kind": "eval", "eval_accuracy": 0.2, "rollouts": 0, "tokens": 0,
+    ...          "wall_time": 0.0},
+    ...         {"kind": "train", "zero_adv_frac": 0.5},
+    ...         {"kind": "eval", "eval_accuracy": 0.6, "rollouts": 128, "tokens": 900,
+    ...          "wall_time": 2.0}]
+    >>> s = summarise(recs, 0.5)
+    >>> s["rollouts_to_target"], s["final_accuracy"], s["zero_adv_frac"]
+    (128, 0.6, 0.5)
+    """
+    evals = [r for r in records if r["kind"] == "eval"]
+    steps = [r for r in records if r["kind"] == "train"]
+    hit = next((r for r in evals if r["eval_accuracy"] >= target), None)
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in steps if key in r]
+        return statistics.fmean(values) if values else None
+
+    return {
+        "rollouts_to_target": hit["rollouts"] if hit else None,
+        "tokens_to_target": hit["tokens"] if hit else None,
+        "seconds_to_target": hit["wall_time"] if hit else None,
+        "final_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        "best_accuracy": max((r["eval_accuracy"] for r in evals), default=None),
+        "zero_adv_frac": mean("zero_adv_frac"),
+        "effective_frac": mean("effective_frac"),
+        "rollouts_per_step": mean("step_rollouts"),
+        "calib_brier": mean("calib_brier"),
+        "total_rollouts": steps[-1]["rollouts"] if steps else 0,
+    }
+
+
+def _median(values: list[Any]) -> Any:
+    """Median of the values, None if any is None (a seed that never reached the target)."""
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.median(values)
+
+
+def run(model: str = "tiny", allocators: tuple[str, ...] = DEFAULT_ALLOCATORS,
+        seeds: tuple[int, ...] = (0,), steps: int = 120, eval_every: int = 10,
+        target: float | None = None, target_frac: float = 0.9, extra: list[str] | None = None,
+        out: Path | None = None, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train every allocator for every seed; the B4 results (see the module docstring)."""
+    order = ["uniform", *[a for a in allocators if a != "uniform"]]
+    work = Path(out) if out else Path(tempfile.mkdtemp(prefix="rollwise-b4-"))
+    runs: dict[str, list[list[dict[str, Any]]]] = {}
+    for name in order:
+        for seed in seeds:
+            progress(f"{name} seed {seed}: {steps} steps")
+            cfg = bench_config(model, name, seed, steps, eval_every, work, extra)
+            runs.setdefault(name, []).append(train_one(cfg))
+    given = target is not None
+    if target is None:
+        best = [max(r["eval_accuracy"] for r in recs if r["kind"] == "eval")
+                for recs in runs["uniform"]]
+        target = round(target_frac * statistics.median(best), 4)
+    rows = []
+    for name in order:
+        per_seed = [summarise(recs, target) for recs in runs[name]]
+        row = {"allocator": name, **{k: _median([s[k] for s in per_seed]) for k in per_seed[0]}}
+        row["seeds_reaching_target"] = sum(s["rollouts_to_target"] is not None for s in per_seed)
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        for key in ("rollouts_to_target", "tokens_to_target", "seconds_to_target"):
+            mine, ref = row[key], base[key]
+            row[f"{key.split('_')[0]}_speedup"] = ref / mine if mine and ref else None
+    if out is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"benchmark": "B4 allocation efficiency", "model": model, "target": target,
+            "target_rule": "given" if given else f"{target_frac} x uniform's best",
+            "steps": steps, "seeds": list(seeds), "budget_per_step": 16 * 8,
+            "allocators": rows, "curves": _curves(runs)}
+
+
+def _curves(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Held-out accuracy against cumulative rollouts and the zero-advantage fraction per step
+    (first seed of each allocator)."""
+    acc = {name: [[r["rollouts"], r["eval_accuracy"]] for r in recs[0] if r["kind"] == "eval"]
+           for name, recs in runs.items()}
+    zero = {name: [[r["step"], r["zero_adv_frac"]] for r in recs[0] if r["kind"] == "train"]
+            for name, recs in runs.items()}
+    return {"held-out accuracy vs rollouts": {"x": "rollouts", "y": "greedy accuracy",
+                                              "series": acc},
+            "zero-advantage group fraction": {"x": "step", "y": "fraction", "series": zero}}
