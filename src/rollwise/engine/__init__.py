@@ -8,7 +8,8 @@ import warnings
 
 from rollwise.engine.base import Completion, Engine, SamplingParams
 from rollwise.engine.decoder import SUPPORTED_MODEL_TYPES, UnsupportedModel
-from rollwise.engine.native import EngineStats, NativeEngine
+from rollwise.engine.native import NativeEngine
+from rollwise.engine.requests import EngineStats
 
 ENGINES = ("native", "hf")
 

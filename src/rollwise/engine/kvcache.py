@@ -78,5 +78,16 @@ class KVCache:
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]
 
+    def take_row(self, row: int, length: int) -> torch.Tensor:
+        """A copy of a row's first `length` tokens: [layers, 2, kv_heads, length, head_dim]."""
+        return torch.stack([torch.stack((k[row, :, :length], v[row, :, :length]))
+                            for k, v in zip(self.rk, self.rv)])
+
+    def put_row(self, row: int, saved: torch.Tensor) -> None:
+        n = saved.shape[3]
+        for layer, (k, v) in enumerate(zip(self.rk, self.rv)):
+            k[row, :, :n] = saved[layer, 0]
+            v[row, :, :n] = saved[layer, 1]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.pk, *self.pv, *self.rk, *self.rv))

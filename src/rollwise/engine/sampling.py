@@ -96,3 +96,16 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch
     rest = torch.minimum(rest.clamp_(min=0), icum[:, -1:] * (1 - 1e-6))
     j = torch.searchsorted(icum, rest, right=True).clamp_(max=block - 1)
     return (k * block + j)[:, 0]
+
+
+def sample_and_score(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                     u: torch.Tensor, score_ids: torch.Tensor,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Like `sample_tokens`, plus the log-prob of `score_ids` [B] (draft tokens) per row."""
+    logp = warp_logits(logits, temperature, top_k, top_p)
+    if temperature == 0:
+        tokens = logp.argmax(-1)
+    else:
+        tokens = inverse_cdf(logp.exp(), u.to(logp.device))
+    return (tokens, logp.gather(-1, tokens[:, None])[:, 0],
+            logp.gather(-1, score_ids.to(logp.device)[:, None])[:, 0])

@@ -1,0 +1,105 @@
+"""The native engine's bookkeeping records: counters, groups (shared prompts), requests, and
+the acceptance walk of speculative verification."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from rollwise.engine.base import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """Deterministic counters (and timers) since the engine was made."""
+
+    forward_passes: int = 0  # model forward calls: prompt prefills, chunk passes, decodes
+    prefill_tokens: int = 0  # prompt tokens computed (a shared prompt counts once)
+    recompute_tokens: int = 0  # own tokens recomputed after preemption or resume
+    generated_tokens: int = 0  # tokens emitted
+    decode_tokens: int = 0  # row-tokens run through single-token decode forwards
+    row_forwards: int = 0  # rows taking part in forwards (one per row per pass)
+    steps: int = 0
+    preemptions: int = 0
+    parks: int = 0  # divided rollout: requests set aside with their cache after a chunk
+    peak_kv_tokens: int = 0  # most tokens held in the cache at once
+    spec_verifies: int = 0  # rows verified with a draft
+    spec_drafted: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens accepted
+    decode_seconds: float = 0.0  # single-token decode forwards + sampling
+    prefill_seconds: float = 0.0  # prompt prefills and multi-token chunk passes
+    publish_seconds: float = 0.0  # weight conversion at publication (0 when shared)
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per verification (accepted draft tokens + the one sampled)."""
+        return 1.0 + self.spec_accepted / self.spec_verifies if self.spec_verifies else 0.0
+
+
+@dataclass
+class Group:
+    key: tuple
+    tokens: list[int]
+    refs: int = 0  # unfinished requests (waiting, parked or running)
+    running: int = 0
+    slot: int = -1  # prefix slot, -1 while not computed
+    logits: torch.Tensor | None = None  # [V] next-token logits after the prompt
+
+
+@dataclass
+class Request:
+    id: int
+    group: Group
+    params: SamplingParams
+    seed: int
+    stops: frozenset[int]
+    tag: int = 0  # caller's label (generate(): the prompt index)
+    priority: float = 0.0  # admission order: highest first, then submission order
+    chunk_tokens: int = 0  # divided rollout: park after this many tokens per residency (0: off)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cached: int = 0  # own tokens whose keys/values are in the row cache
+    resident_since: int = 0  # len(tokens) when last admitted
+    draft: list[int] = field(default_factory=list)  # proposed continuation to verify
+    draft_logprobs: list[float] | None = None  # behaviour log-probs of a reused draft
+    lenience: float | None = None  # None: exact (lossless) acceptance
+    parked: torch.Tensor | None = None  # [layers, 2, kv_heads, cached, head_dim] when parked
+    zombie: bool = False  # static batching: finished, still occupying its row
+
+
+def walk_draft(sampled: list[int], logps_sampled: list[float], draft: list[int],
+               logps_draft: list[float], accept_u: list[float], req: Request,
+               ) -> tuple[list[int], list[float], int]:
+    """Emitted tokens (and their log-probs) of one verification, and how many draft tokens
+    were accepted. `sampled[k]` is the token the policy itself draws at draft position k
+    (with the request's own uniform), `logps_draft[k]` the policy's log-prob of draft[k].
+
+    Exact mode (lenience None): accept draft[k] iff the policy's own draw equals it. For a
+    deterministic draft that is the standard speculative-sampling rule (accept with
+    probability p(d), else draw from p without d), realised with a coupled uniform, so
+    the output is exactly what plain sampling would have produced.
+    Lenient mode (a draft sampled earlier with stored log-probs q, SPEC-RL): accept with
+    probability min(1, lenience * p(d) / q(d)); at the first rejection emit the policy's
+    own draw (SPEC-RL regenerates there)."""
+    out, lps, accepted = [], [], 0
+    for k, tok in enumerate(sampled):
+        if k < len(draft):
+            d = draft[k]
+            if req.lenience is None:
+                ok = tok == d
+            else:
+                q = req.draft_logprobs[k] if req.draft_logprobs else 0.0
+                ok = math.log(max(accept_u[k], 1e-300)) <= math.log(req.lenience) + (
+                    logps_draft[k] - q)
+            if ok:
+                out.append(d)
+                lps.append(logps_draft[k])
+                accepted += 1
+                continue
+        out.append(tok)
+        lps.append(logps_sampled[k])
+        break
+    return out, lps, accepted
