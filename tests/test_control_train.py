@@ -12,8 +12,9 @@ import torch
 from rollwise.bench.alloc import summarise
 from rollwise.build import build
 from rollwise.config import load_config
-from rollwise.control import ALLOCATORS
+from rollwise.control import ALLOCATORS, PosteriorBook
 from rollwise.loop import train
+from rollwise.replay import TrajectoryStore
 from rollwise.rundir import Run
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
@@ -50,6 +51,14 @@ def test_short_training_run_with_each_allocator(tmp_path, name):
     visits = sum(stages.control.book.visits(s.id) for s, _ in stages.sampler.items)
     rolled = sum(r["prompts_rolled"] for r in steps)
     assert visits >= rolled and (visits == rolled or any(r["rounds"] > 1 for r in steps))
+    # the replay store holds the same history: rebuilding the book from it gives the same counts
+    store = TrajectoryStore(tmp_path / name / "trajectories.sqlite")
+    rebuilt = PosteriorBook()
+    rebuilt.rebuild((sid, step - 1, rewards) for sid, step, rewards in store.group_rewards())
+    store.close()
+    live, now = stages.control.book, stages.control.step
+    for s, _ in stages.sampler.items:
+        assert rebuilt.counts(s.id, now) == pytest.approx(live.counts(s.id, now)), s.id
 
 
 def test_adaptive_run_resumes_exactly(tmp_path):

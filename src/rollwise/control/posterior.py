@@ -19,12 +19,13 @@ of VADE is reconstructed, see TECHNIQUES D.3.) Lazy decay makes a step cost O(pr
 and `decay(λ_f, λ_s)` applied step by step equals the closed form (tested).
 
 Simplification: the book lives in memory and travels in the checkpoint (`state_dict`); the
-reward history itself stays in the replay store (`TrajectoryStore.prompt_history`), from which
-`rebuild` can recompute the book.
+reward history itself stays in the replay store (`TrajectoryStore.group_rewards`), from which
+`rebuild` recomputes the same counts (tested).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -90,7 +91,8 @@ class PosteriorBook:
 
     def update(self, pid: str, rewards: Iterable[float], step: int) -> None:
         """Add one scored group's outcomes (rewards clipped to [0, 1]) at `step`."""
-        wins = [min(max(float(r), 0.0), 1.0) for r in rewards]
+        # a reward that failed to compute (NaN) is no evidence either way
+        wins = [min(max(float(r), 0.0), 1.0) for r in rewards if math.isfinite(r)]
         a, b = self.counts(pid, step)
         visits = self.visits(pid) + 1
         self.states[pid] = BetaState(a + sum(wins), b + len(wins) - sum(wins), step, visits)

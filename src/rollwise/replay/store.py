@@ -222,6 +222,23 @@ class TrajectoryStore:
         )
         return [(s, float("nan") if r is None else r) for s, r in rows]
 
+    def group_rewards(self) -> list[tuple[str, int, list[float]]]:
+        """(sample id, step, rewards) of every stored group, in (step, group) order: the
+        per-prompt reward history the allocators' posteriors are built from
+        (`rollwise.control.PosteriorBook.rebuild`)."""
+        rows = self._query(
+            "SELECT sample_id, step, group_idx, reward FROM trajectories"
+            " ORDER BY step, group_idx, traj_idx"
+        )
+        out: list[tuple[str, int, list[float]]] = []
+        last = None
+        for sid, step, g_idx, reward in rows:
+            if (step, g_idx) != last:
+                out.append((sid, step, []))
+                last = (step, g_idx)
+            out[-1][2].append(float("nan") if reward is None else reward)
+        return out
+
     def load_step(self, step: int) -> list[Trajectory]:
         """The trajectories of one step, in (group, trajectory) order, rebuilt exactly."""
         return [traj for _, traj in self._load(step)]
