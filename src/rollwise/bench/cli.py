@@ -88,3 +88,32 @@ def alloc(model: ModelOpt = "tiny", json: JsonOpt = None,
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")
+
+
+@bench_app.command("tail")
+def tail(model: ModelOpt = "tiny", json: JsonOpt = None,
+         groups: Annotated[int, typer.Option(help="Groups trained per step (target).")] = 32,
+         n: Annotated[int, typer.Option(help="Samples per group.")] = 8,
+         steps: Annotated[int, typer.Option(help="Steps per strategy.")] = 3,
+         slots: Annotated[int, typer.Option(help="Sequences decoded at once.")] = 64,
+         chunk_tokens: Annotated[int, typer.Option(help="Seer chunk size.")] = 16,
+         reps: Annotated[int, typer.Option(help="Alternating repetitions.")] = 1,
+         strategy: Annotated[list[str] | None, typer.Option(
+             help="Strategies to run (repeatable; default all).")] = None,
+         threads: ThreadsOpt = 0):
+    """B2: rollout strategies on a long-tailed workload: tail time, tokens/s, forwards."""
+    from rollwise.bench import tail as b2
+    from rollwise.runtime import configure
+
+    configure(threads)
+    data = b2.run(model, groups=groups, n=n, steps=steps, slots=slots,
+                  chunk_tokens=chunk_tokens, reps=reps,
+                  strategies=tuple(strategy or b2.STRATEGIES), progress=_say)
+    print_table(f"B2 long tail: {model}, {groups} groups x {n} per step, {slots} slots",
+                data["strategies"],
+                ["strategy", "tokens_per_s", "makespan_s", "tail_time_s", "tail_vs_sync",
+                 "tokens_per_s_vs_sync", "forward_passes_per_token", "row_forwards_per_token",
+                 "mean_accepted_len", "offpolicy_token_frac", "mean_trained_len"])
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")

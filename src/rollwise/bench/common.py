@@ -12,23 +12,28 @@ from typing import Any
 import torch
 
 
-def load_workload(model: str, num_prompts: int, seed: int = 0, device: str = "cpu"):
-    """(policy, prompt ids) for the two-digit arithmetic task the configs train on: the
-    tiny model warm-started exactly as `configs/tiny_arith.toml` does (shared cache)."""
+def load_workload(model: str, num_prompts: int, seed: int = 0, device: str = "cpu",
+                  task: str = "arith", split: str = "eval", **options):
+    """(policy, prompt ids) for a task the configs train on (default: two-digit addition);
+    the tiny model is warm-started on the task's references exactly as training does
+    (shared cache)."""
     from rollwise.config import TinyConfig
     from rollwise.models import load_policy
     from rollwise.tasks import make_task
 
     chat = model != "tiny"
-    task = make_task("arith", seed=seed, num_train=2000, num_eval=200, chat=chat, digits=2,
-                     terms=2)
+    options = options or ({"digits": 2, "terms": 2} if task == "arith" else {})
+    task = make_task(task, seed=seed, num_train=2000, num_eval=200, chat=chat, **options)
     if model == "tiny":
         warm = [(s.prompt, s.reference) for s in task.train if s.reference]
         policy = load_policy("tiny", device=device, warm_start=warm,
                              tiny=TinyConfig().model_dump() | {"seed": seed})
     else:
         policy = load_policy(model, device=device)
-    samples = (task.eval * (num_prompts // len(task.eval) + 1))[:num_prompts]
+    pool = task.eval if split == "eval" else task.train  # "train" or "pairs": train split
+    samples = (pool * (num_prompts // len(pool) + 1))[:num_prompts]
+    if split == "pairs":
+        return policy, [(s, policy.encode(s.prompt)) for s in samples]
     return policy, [policy.encode(s.prompt) for s in samples]
 
 

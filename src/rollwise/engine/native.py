@@ -136,7 +136,9 @@ class NativeEngine:
         return rid
 
     def set_priority(self, rid: int, priority: float) -> None:
-        self._requests[rid].priority = priority
+        """Re-rank a waiting or running request (ignored once it has finished)."""
+        if rid in self._requests:
+            self._requests[rid].priority = priority
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)

@@ -1,0 +1,300 @@
+"""The rollout scheduler: groups of requests through the native engine, under one of the
+seed papers' strategies, composable with speculative drafts.
+
+    strategy      what a step does
+    sync          one static batch at a time; the step ends when its last sequence ends
+    continuous    request-level continuous batching; the step ends when every group is done
+    partial       APRIL: over-provision groups (x over_provision), stop at the target number
+                  of complete groups, keep unfinished responses (ids, log-probs, versions)
+                  in the partial pool and resume them first next step
+    context       Seer: one probe per group served first, the rest longest-predicted-first
+                  from the longest finished sibling, in chunks of `chunk_tokens`
+    partial+context   both
+    spec_group    (flag) drafts from sibling responses of the same group (Seer)
+    spec_reuse    (flag) the previous response to the same prompt is the draft (SPEC-RL)
+
+No rollout is lost or trained twice: a group is returned once, when all its samples are
+complete; an unfinished group waits in the pool with its samples' tokens intact (groups
+that complete beyond the step's target are returned first in the next step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from rollwise.engine.base import Completion, SamplingParams
+from rollwise.engine.native import NativeEngine
+from rollwise.engine.sampling import derive_seed
+from rollwise.rollout.drafts import GroupNgramIndex
+from rollwise.types import Group, Sample, Trajectory
+
+STRATEGIES = ("sync", "continuous", "partial", "context", "partial+context")
+EncodedPrompt = tuple[Sample, list[int]]
+
+
+@dataclass
+class _Slot:
+    """One sample of a group: finished, partial (from an earlier step), or not started."""
+
+    seed: int
+    done: Completion | None = None
+    partial: Completion | None = None
+    rid: int | None = None
+    finished_at: float = 0.0
+    indexed: int = 0  # spec_group: tokens of this sample already in the group's index
+
+
+@dataclass
+class _PendingGroup:
+    uid: int
+    sample: Sample
+    ids: list[int]
+    slots: list[_Slot]
+    estimate: float = 0.0  # Seer's L̂_g: longest finished sibling (upper bound until one ends)
+    measured: bool = False  # a sibling has finished: `estimate` is observed, not the bound
+    age: int = 0  # steps spent in the partial pool (anti-starvation)
+    index: GroupNgramIndex | None = None
+
+    @property
+    def complete(self) -> bool:
+        return all(s.done is not None for s in self.slots)
+
+
+@dataclass
+class StepReport:
+    groups: list[Group]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutScheduler:
+    def __init__(self, engine: NativeEngine, params: SamplingParams,
+                 decode: Callable[[list[int]], str] = lambda ids: "", *,
+                 strategy: str = "continuous", over_provision: float = 2.0,
+                 max_staleness: int = 4, chunk_tokens: int = 16, spec_group: bool = False,
+                 spec_reuse: bool = False, reuse_rule: str = "exact", lenience: float = 1.0,
+                 seed: int = 0):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown rollout strategy '{strategy}'; "
+                             f"available: {', '.join(STRATEGIES)}")
+        if reuse_rule not in ("exact", "spec-rl"):
+            raise ValueError(f"reuse_rule must be 'exact' or 'spec-rl', got '{reuse_rule}'")
+        self.engine, self.params, self.decode = engine, replace(params, n=1), decode
+        self.group_size = params.n
+        self.strategy, self.over_provision = strategy, over_provision
+        self.max_staleness, self.chunk_tokens = max_staleness, chunk_tokens
+        self.spec_group, self.spec_reuse = spec_group, spec_reuse
+        self.reuse_rule, self.lenience, self.seed = reuse_rule, lenience, seed
+        self.partial = "partial" in strategy
+        self.context = "context" in strategy
+        self.pool: list[_PendingGroup] = []  # unfinished (or finished, undelivered) groups
+        self.previous: dict[tuple, list[Completion]] = {}  # spec_reuse: last responses
+        self._uid = 0
+        self._by_rid: dict[int, tuple[_PendingGroup, _Slot]] = {}
+        engine.static_batch = strategy == "sync"
+        engine.drafter = self._draft if spec_group else None
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def publish(self, version: int) -> None:
+        self.engine.publish(version)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def run(self, prompts: list[EncodedPrompt],
+            fetch: Callable[[int], list[EncodedPrompt]] | None = None) -> StepReport:
+        """Roll out `prompts` (the step's target number of groups); with partial rollouts,
+        pooled groups come first and `fetch(k)` supplies the over-provisioned extra."""
+        target = len(prompts)
+        groups = list(self.pool)
+        self.pool = []
+        fresh = list(prompts)
+        if self.partial:
+            want = max(target, round(target * self.over_provision))
+            if fetch is not None and len(groups) + len(fresh) < want:
+                fresh += fetch(want - len(groups) - len(fresh))
+        groups += [self._new_group(s, ids) for s, ids in fresh]
+        stale = self._apply_staleness_cap(groups)
+        start = time.perf_counter()
+        before = replace(self.engine.stats)
+        delivered = [g for g in groups if g.complete][:target] if self.partial else []
+        for g in groups:
+            if g not in delivered:
+                self._submit(g)
+        done_times: list[float] = []
+        while self.engine.has_unfinished():
+            for c in self.engine.step():
+                g, slot = self._by_rid.pop(c.request_id)
+                slot.done, slot.rid, slot.partial = c, None, None
+                slot.finished_at = time.perf_counter() - start
+                done_times.append(slot.finished_at)
+                self._on_finish(g, c)
+                if g.complete and g not in delivered:
+                    delivered.append(g)
+            if self.partial and len(delivered) >= target:
+                break
+        makespan = time.perf_counter() - start
+        if self.partial:
+            delivered = delivered[:target]  # groups done beyond the target wait in the pool
+        self._abort_rest(groups, delivered)
+        out = [self._to_group(g) for g in delivered]
+        self.pool = [g for g in groups if g not in delivered]
+        for g in self.pool:
+            g.age += 1
+        if self.spec_reuse:
+            for g in delivered:
+                self.previous[tuple(g.ids)] = [s.done for s in g.slots]
+        return StepReport(out, self._info(out, before, makespan, done_times, stale))
+
+    def _new_group(self, sample: Sample, ids: list[int]) -> _PendingGroup:
+        uid = self._uid
+        self._uid += 1
+        slots = [_Slot(seed=derive_seed(self.seed, uid * 1024 + k))
+                 for k in range(self.group_size)]
+        return _PendingGroup(uid, sample, list(ids), slots,
+                             estimate=float(self.params.max_tokens))
+
+    def _apply_staleness_cap(self, groups: list[_PendingGroup]) -> dict[str, int]:
+        """Partial responses begun more than max_staleness versions ago start over."""
+        dropped = tokens = 0
+        for g in groups:
+            for s in g.slots:
+                p = s.partial
+                if p and p.versions and self.version - min(p.versions) > self.max_staleness:
+                    dropped += 1
+                    tokens += len(p.token_ids)
+                    s.partial = None
+        return {"stale_dropped": dropped, "stale_dropped_tokens": tokens}
+
+    def _submit(self, g: _PendingGroup) -> None:
+        if self.spec_group and g.index is None:
+            g.index = GroupNgramIndex()
+        previous = self.previous.get(tuple(g.ids)) if self.spec_reuse else None
+        probe = True
+        for k, s in enumerate(g.slots):
+            if s.done is not None:
+                continue
+            options: dict[str, Any] = {}
+            if previous is not None and s.partial is None and k < len(previous):
+                options["draft"] = previous[k].token_ids
+                if self.reuse_rule == "spec-rl":
+                    options.update(draft_logprobs=previous[k].logprobs, lenience=self.lenience)
+            if self.context:
+                options["chunk_tokens"] = self.chunk_tokens
+                options["priority"] = self._priority(g, probe)
+                probe = False
+            s.rid = self.engine.submit(g.ids, self.params, seed=s.seed, resume=s.partial,
+                                       tag=g.uid, **options)
+            self._by_rid[s.rid] = (g, s)
+
+    def _priority(self, g: _PendingGroup, probe: bool) -> float:
+        """Seer: probes first (high-priority class), then longest predicted first; a group
+        carried over from earlier steps outranks new ones (anti-starvation)."""
+        return ((2.0 if probe else 1.0) * 1e6 + (0.0 if probe else g.estimate)
+                + g.age * 4e6)
+
+    def _on_finish(self, g: _PendingGroup, c: Completion) -> None:
+        if self.context:
+            estimate = float(len(c.token_ids))
+            g.estimate = max(g.estimate, estimate) if g.measured else estimate
+            g.measured = True
+            for s in g.slots:  # siblings still waiting move by the new estimate
+                if s.rid is not None and s.done is None:
+                    self.engine.set_priority(s.rid, self._priority(g, False))
+
+    def _draft(self, rows: list[tuple[int, list[int]]]) -> list[list[int]]:
+        """Seer's grouped drafts: continue each row from the n-gram index of its siblings'
+        responses, finished or still running (brought up to date at every call)."""
+        out = []
+        for rid, tokens in rows:
+            g, me = self._by_rid.get(rid, (None, None))
+            if g is None or g.index is None:
+                out.append([])
+                continue
+            for s in g.slots:
+                if s is me:
+                    continue
+                c = s.done or (self.engine.peek(s.rid) if s.rid is not None else s.partial)
+                if c is not None and len(c.token_ids) > s.indexed:
+                    g.index.add(g.ids[-4:] + c.token_ids, start=4 + s.indexed)
+                    s.indexed = len(c.token_ids)
+            out.append(g.index.draft(g.ids[-4:] + tokens, self.engine.spec_tokens)
+                       if g.index.references else [])
+        return out
+
+    def _abort_rest(self, groups: list[_PendingGroup], delivered: list[_PendingGroup]) -> None:
+        for g in groups:
+            for s in g.slots:
+                if s.rid is not None:
+                    part = self.engine.abort(s.rid)
+                    self._by_rid.pop(s.rid, None)
+                    s.rid = None
+                    s.partial = part if part.token_ids else None
+
+    def _to_group(self, g: _PendingGroup) -> Group:
+        trajs = []
+        for s in g.slots:
+            c = s.done
+            trajs.append(Trajectory(
+                sample=g.sample, prompt_ids=list(g.ids), response_ids=c.token_ids,
+                logprobs=c.logprobs, versions=c.versions, finish_reason=c.finish_reason,
+                text=self.decode(c.token_ids), timings={"rollout_done": s.finished_at}))
+        return Group(sample=g.sample, trajectories=trajs)
+
+    def _info(self, groups: list[Group], before, makespan: float, done_times: list[float],
+              stale: dict[str, int]) -> dict[str, Any]:
+        s = self.engine.stats
+        trajs = [t for g in groups for t in g.trajectories]
+        tokens = sum(len(t.response_ids) for t in trajs)
+        old = sum(v < self.version for t in trajs for v in t.versions)
+        ages = [self.version - min(t.versions) for t in trajs if t.versions]
+        times = sorted(done_times)
+        p90 = times[min(len(times) - 1, int(0.9 * len(times)))] if times else makespan
+        generated = s.generated_tokens - before.generated_tokens
+        return {
+            "makespan_s": makespan, "tail_time_s": makespan - p90,
+            "generated_tokens": generated, "tokens_per_s": generated / max(makespan, 1e-9),
+            "forward_passes": s.forward_passes - before.forward_passes,
+            "row_forwards": s.row_forwards - before.row_forwards,
+            "trained_tokens": tokens, "offpolicy_token_frac": old / max(tokens, 1),
+            "staleness_mean": sum(ages) / max(len(ages), 1), "staleness_max": max(ages or [0]),
+            "spec_verifies": s.spec_verifies - before.spec_verifies,
+            "spec_accepted": s.spec_accepted - before.spec_accepted,
+            "pool_groups": len(self.pool), "lengths": [len(t.response_ids) for t in trajs],
+            **stale}
+
+    # -- state (checkpoints) ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The partial pool and reuse cache, as plain data (finished samples and partial
+        token ids, log-probs and versions)."""
+        def slot(s: _Slot) -> dict:
+            c = s.done or s.partial
+            return {"seed": s.seed, "done": s.done is not None,
+                    "tokens": c.token_ids if c else [], "logprobs": c.logprobs if c else [],
+                    "versions": c.versions if c else [], "reason": c.finish_reason if c else ""}
+
+        return {"uid": self._uid, "pool": [
+            {"uid": g.uid, "sample": asdict(g.sample), "ids": g.ids, "estimate": g.estimate,
+             "slots": [slot(s) for s in g.slots]} for g in self.pool],
+            "previous": {k: [(c.token_ids, c.logprobs) for c in v]
+                         for k, v in self.previous.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._uid = state["uid"]
+        self.pool = []
+        for g in state["pool"]:
+            slots = []
+            for s in g["slots"]:
+                c = (Completion(g["uid"], s["tokens"], s["logprobs"], s["reason"] or "abort",
+                                s["versions"]) if s["tokens"] or s["done"] else None)
+                slots.append(_Slot(seed=s["seed"], done=c if s["done"] else None,
+                                   partial=None if s["done"] else c))
+            self.pool.append(_PendingGroup(g["uid"], Sample(**g["sample"]), g["ids"], slots,
+                                           g["estimate"]))
+        self.previous = {k: [Completion(0, t, lp, "stop") for t, lp in v]
+                         for k, v in state["previous"].items()}
