@@ -93,3 +93,26 @@ def test_bench_summary_counts_cost_to_the_first_evaluation_on_target(tmp_path):
     assert got["rollouts_to_target"] == first["rollouts"]
     assert got["final_accuracy"] == evals[-1]["eval_accuracy"]
     assert summarise(recs, 2.0)["rollouts_to_target"] is None
+
+
+def test_bench_alloc_command_writes_json_and_page(tmp_path):
+    from typer.testing import CliRunner
+
+    from rollwise.cli import app
+
+    out = tmp_path / "b4.json"
+    result = CliRunner().invoke(app, [
+        "bench", "alloc", "--allocator", "pilot_commit", "--steps", "2", "--eval-every", "1",
+        "--json", str(out), "--set", "task.num_train=48", "--set", "task.num_eval=20",
+        "--set", "rollout.prompts_per_step=6", "--set", "rollout.group_size=4"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    rows = {r["allocator"]: r for r in data["allocators"]}
+    assert list(rows) == ["uniform", "pilot_commit"] and data["budget_per_step"] == 24
+    for r in rows.values():
+        assert {"rollouts_to_target", "tokens_to_target", "seconds_to_target", "final_accuracy",
+                "zero_adv_frac"} <= set(r)
+        assert r["total_rollouts"] <= 2 * 24
+    assert rows["uniform"]["rollouts_to_target"] is not None  # uniform reaches its own target
+    page = out.with_suffix(".html").read_text()
+    assert "held-out accuracy vs rollouts" in page and "pilot_commit" in page
