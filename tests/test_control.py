@@ -167,7 +167,7 @@ def test_adaptive_allocators_train_on_more_informative_groups_than_uniform(name)
 
     base = informative(run_controller("uniform", 80)[3])
     got = informative(run_controller(name, 80)[3])
-    assert base < 0.5 and got > base + 0.25, (base, got)
+    assert base < 0.5 and got > base + 0.15, (base, got)
 
 
 def test_thompson_prefers_uncertain_prompts():

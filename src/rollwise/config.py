@@ -192,7 +192,7 @@ class ControlConfig(_Section):
               "thompson (VADE), pilot_commit, dars, vcrl or gdro.")
     explore: float = Field(
         0.125, ge=0, le=1, description="Exploration floor: share of each step's prompt slots "
-        "filled from the uniform stream (thompson, pilot_commit, vcrl), so none starves.")
+        "filled from a uniform stream (thompson, vcrl), so no prompt starves.")
     prior: tuple[float, float] = Field(
         (1.0, 1.0), description="Beta prior (alpha0, beta0) of each prompt's success rate.")
     decay_fast: float = Field(
@@ -202,6 +202,9 @@ class ControlConfig(_Section):
         "stale_after steps.")
     stale_after: int = Field(50, ge=0, description="Steps unseen before decay_slow applies.")
     max_rounds: int = Field(3, ge=1, description="dynamic: rollout rounds per step at most.")
+    thompson_candidates: float = Field(
+        2.0, ge=0, description="thompson: candidates drawn from the stream per free slot "
+        "(0: score every training prompt each step).")
     pilot_n: int = Field(2, ge=1, description="pilot_commit: pilot rollouts per prompt.")
     pilot_factor: float = Field(
         2.0, gt=0, description="pilot_commit: prompts piloted, in multiples of prompts_per_step.")

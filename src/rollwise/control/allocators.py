@@ -7,10 +7,10 @@ Formulas and config keys: docs/allocation.md. Summary, with P prompts per step, 
 - uniform       P prompts from the uniform stream, G rollouts each (the GRPO baseline).
 - dynamic       DAPO: P x G; drop zero-variance groups; refill with fresh prompts until P
                 informative groups or max_rounds rounds.
-- thompson      VADE: draw p~ ~ Beta(α, β) per prompt, take the top P by p~(1 − p~).
-- pilot_commit  pilot pilot_n rollouts on pilot_factor x P prompts (chosen by expected
-                Bernoulli variance), then the rest of B to prompts whose posterior mean lies in
-                [band_low, band_high]; train on committed prompts (pilot + commit rollouts).
+- thompson      VADE: draw p~ ~ Beta(α, β) per candidate prompt, take the top P by p~(1 − p~).
+- pilot_commit  pilot pilot_n rollouts on pilot_factor x P prompts from the stream, then the
+                rest of B to prompts whose pilot pass rate lies in [band_low, band_high]
+                (then by posterior variance); train on committed prompts (pilot + commit).
 - dars          round 1 with dars_first_n each; hard prompts (a < 0.5) get Δn more (ET or HW
                 schedule), scaled to the rest of B; train on mixed groups.
 - vcrl          train on groups with normalised variance σ²/σ²_max >= κ; replay such prompts
@@ -88,9 +88,15 @@ class Dynamic:
 
 @_stateless
 class Thompson:
-    """VADE (arXiv 2511.18902): Thompson sampling on the expected information p~(1 − p~)."""
+    """VADE (arXiv 2511.18902): Thompson sampling on the expected information p~(1 − p~),
+    among `thompson_candidates` x P prompts from the stream (0: among all prompts)."""
 
     name = "thompson"
+
+    def __init__(self, thompson_candidates: float = 2.0):
+        if thompson_candidates < 0:
+            raise ValueError(f"control.thompson_candidates={thompson_candidates}: expected >= 0")
+        self.candidates = thompson_candidates
 
     def plan(self, ctl: Controller) -> list[Request]:
         rng, step = ctl.rng, ctl.step
@@ -99,7 +105,8 @@ class Thompson:
             p = rng.betavariate(*ctl.book.counts(pid, step))
             return p * (1.0 - p)
 
-        return _requests(ctl.choose(ctl.prompts_per_step, score), ctl.group_size)
+        return _requests(ctl.choose(ctl.prompts_per_step, score, self.candidates),
+                         ctl.group_size)
 
     def observe(self, ctl: Controller, groups: list[Group]) -> list[Request]:
         return []
@@ -112,7 +119,8 @@ class Thompson:
 
 
 class PilotCommit:
-    """Pilot-Commit (arXiv 2605.26606) on the posterior: pilot, then commit in a band."""
+    """Pilot-Commit (arXiv 2605.26606): pilot, then commit inside a pass-rate band, ranked by
+    the posterior (which holds the pilot and the prompt's history)."""
 
     name = "pilot_commit"
 
@@ -136,10 +144,7 @@ class PilotCommit:
 
     def plan(self, ctl: Controller) -> list[Request]:
         self._phase, self._committed = "pilot", set()
-        step = ctl.step
-        pilots = ctl.choose(self._pilot_prompts(ctl),
-                            lambda pid: ctl.book.expected_variance(pid, step))
-        return _requests(pilots, self.pilot_n)
+        return _requests(ctl.stream(self._pilot_prompts(ctl)), self.pilot_n)
 
     def observe(self, ctl: Controller, groups: list[Group]) -> list[Request]:
         if self._phase != "pilot":
@@ -150,8 +155,9 @@ class PilotCommit:
         commit_n = self.commit_n or max(1, ctl.group_size - self.pilot_n)
 
         def rank(g: Group) -> tuple[bool, float]:
-            inside = lo <= ctl.book.mean(g.sample.id, step) <= hi
-            return (not inside, -ctl.book.expected_variance(g.sample.id, step))
+            # the paper's band on the pilot pass rate; then the posterior (pilot + history)
+            rate = sum(min(max(r, 0.0), 1.0) for r in g.rewards) / len(g.rewards)
+            return (not lo <= rate <= hi, -ctl.book.expected_variance(g.sample.id, step))
 
         chosen = sorted(groups, key=rank)[: max(0, left // commit_n)]
         if not chosen:

@@ -91,6 +91,8 @@ class Controller:
         self.budget = prompts_per_step * group_size  # rollouts per step, as uniform spends
         self.explore, self.seed = explore, seed
         self.sampler = sampler or UniformSampler(prompts, prompts_per_step, seed=seed)
+        # the exploration floor's own stream, so the floor never depends on what was chosen
+        self.floor_sampler = UniformSampler(prompts, 1, seed=f"{seed}/floor")
         self.step = 0  # steps finished
         self._rounds: list[list[Group]] = []
         self._spent = 0
@@ -111,14 +113,17 @@ class Controller:
         """Of `k` prompt slots, how many the exploration floor fills from the uniform stream."""
         return min(k, math.ceil(self.explore * k))
 
-    def choose(self, k: int, score: Callable[[str], float]) -> list:
-        """`k` prompts: `floor_slots(k)` from the uniform stream (so every prompt comes round
-        at least once per len(prompts)/floor_slots steps), the rest the highest `score`
-        (sample id -> float, higher first; ties in random order) among all other prompts."""
-        floor = self.stream(self.floor_slots(k))
+    def choose(self, k: int, score: Callable[[str], float], candidates: float = 0.0) -> list:
+        """`k` prompts: `floor_slots(k)` from a second uniform stream (so every prompt comes
+        round at least once per 2·len(prompts)/floor_slots steps), the rest the highest `score`
+        (sample id -> float, higher first; ties in random order) among `candidates` x the
+        remaining slots drawn from the main stream, or (candidates = 0) among all prompts."""
+        floor = self.floor_sampler.take(self.floor_slots(k))
         taken = {prompt_id(p) for p in floor}
+        pool = self.prompts if candidates <= 0 else self.stream(
+            math.ceil(candidates * (k - len(floor))))
         rng = self.rng
-        ranked = sorted((p for p in self.prompts if prompt_id(p) not in taken),
+        ranked = sorted((p for p in pool if prompt_id(p) not in taken),
                         key=lambda p: (-score(prompt_id(p)), rng.random()))
         return floor + ranked[: k - len(floor)]
 
@@ -176,12 +181,14 @@ class Controller:
     # -- resume ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "book": self.book.state_dict(),
-                "allocator": self.allocator.state_dict()}
+                "allocator": self.allocator.state_dict(),
+                "floor": self.floor_sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.book.load_state_dict(state["book"])
         self.allocator.load_state_dict(state["allocator"])
+        self.floor_sampler.load_state_dict(state["floor"])
 
 
 def merge_groups(groups: list[Group]) -> list[Group]:

@@ -12,7 +12,7 @@ class UniformSampler(Generic[T]):
     """Draws `per_step` items per step without replacement within an epoch; reshuffles each
     epoch with seed (seed, epoch). Its whole state is the cursor, so resuming is exact."""
 
-    def __init__(self, items: list[T], per_step: int, seed: int = 0):
+    def __init__(self, items: list[T], per_step: int, seed: int | str = 0):
         if not items:
             raise ValueError("no prompts to train on (all skipped or the task is empty)")
         self.items, self.per_step, self.seed = items, per_step, seed
