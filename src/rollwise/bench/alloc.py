@@ -84,6 +84,7 @@ def summarise(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "final_accuracy": evals[-1]["eval_accuracy"] if evals else None,
         "best_accuracy": max((r["eval_accuracy"] for r in evals), default=None),
         "zero_adv_frac": mean("zero_adv_frac"),
+        "zero_adv_frac_trained": mean("zero_adv_frac_trained"),
         "effective_frac": mean("effective_frac"),
         "rollouts_per_step": mean("step_rollouts"),
         "calib_brier": mean("calib_brier"),

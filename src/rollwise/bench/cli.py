@@ -84,7 +84,8 @@ def alloc(model: ModelOpt = "tiny", json: JsonOpt = None,
     print_table(f"B4 allocation: {model}, target accuracy {data['target']:.3f}",
                 data["allocators"],
                 ["allocator", "rollouts_to_target", "rollouts_speedup", "tokens_to_target",
-                 "seconds_to_target", "final_accuracy", "zero_adv_frac", "effective_frac"])
+                 "seconds_to_target", "final_accuracy", "zero_adv_frac", "zero_adv_frac_trained",
+                 "rollouts_per_step"])
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")
