@@ -5,8 +5,9 @@ mixed difficulty, with the same per-step budget, steps and seeds.
 Each allocator trains a fresh policy (the same warm start) through the real driver; held-out
 greedy accuracy is measured every `eval_every` steps. `rollouts_to_target` is the cumulative
 rollouts at the first evaluation at or above the target (None if never reached). The target
-defaults to `target_frac` of uniform's best accuracy, so every allocator is compared at a
-level the baseline reaches. Figures are medians over seeds; ratios are uniform / allocator.
+defaults to `target_frac` of uniform's best accuracy on the same seed, so every allocator is
+compared at a level the baseline reaches. Figures are medians over seeds (None when a seed
+never reached its target); speedups are medians of per-seed ratios uniform / allocator.
 """
 
 from __future__ import annotations
@@ -114,24 +115,27 @@ def run(model: str = "tiny", allocators: tuple[str, ...] = DEFAULT_ALLOCATORS,
             budget = cfg.rollout.prompts_per_step * cfg.rollout.group_size
             runs.setdefault(name, []).append(train_one(cfg))
     given = target is not None
-    if target is None:
-        best = [max(r["eval_accuracy"] for r in recs if r["kind"] == "eval")
-                for recs in runs["uniform"]]
-        target = round(target_frac * statistics.median(best), 4)
+    # one target per seed: each seed has its own data split and warm start
+    targets = [target if given else round(target_frac * max(
+        r["eval_accuracy"] for r in recs if r["kind"] == "eval"), 4) for recs in runs["uniform"]]
+    per_seed = {name: [summarise(recs, t) for recs, t in zip(runs[name], targets)]
+                for name in order}
     rows = []
     for name in order:
-        per_seed = [summarise(recs, target) for recs in runs[name]]
-        row = {"allocator": name, **{k: _median([s[k] for s in per_seed]) for k in per_seed[0]}}
-        row["seeds_reaching_target"] = sum(s["rollouts_to_target"] is not None for s in per_seed)
-        rows.append(row)
-    base = rows[0]
-    for row in rows:
+        seeds_ = per_seed[name]
+        reached = [s["rollouts_to_target"] for s in seeds_ if s["rollouts_to_target"]]
+        row = {"allocator": name, **{k: _median([s[k] for s in seeds_]) for k in seeds_[0]}}
+        row["seeds_reaching_target"] = len(reached)
         for key in ("rollouts_to_target", "tokens_to_target", "seconds_to_target"):
-            mine, ref = row[key], base[key]
-            row[f"{key.split('_')[0]}_speedup"] = ref / mine if mine and ref else None
+            ratios = [u[key] / s[key] for u, s in zip(per_seed["uniform"], seeds_)
+                      if u[key] and s[key]]
+            row[f"{key.split('_')[0]}_speedup"] = statistics.median(ratios) if ratios else None
+        row["per_seed_rollouts_to_target"] = [s["rollouts_to_target"] for s in seeds_]
+        rows.append(row)
     if out is None:
         shutil.rmtree(work, ignore_errors=True)
-    return {"benchmark": "B4 allocation efficiency", "model": model, "target": target,
+    return {"benchmark": "B4 allocation efficiency", "model": model,
+            "target": statistics.median(targets), "targets_per_seed": targets,
             "target_rule": "given" if given else f"{target_frac} x uniform's best",
             "steps": steps, "seeds": list(seeds), "budget_per_step": budget,
             "allocators": rows, "curves": _curves(runs)}
