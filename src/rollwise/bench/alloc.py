@@ -89,7 +89,7 @@ def summarise(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "effective_frac": mean("effective_frac"),
         "rollouts_per_step": mean("step_rollouts"),
         "calib_brier": mean("calib_brier"),
-        "total_rollouts": steps[-1]["rollouts"] if steps else 0,
+        "total_rollouts": steps[-1].get("rollouts", 0) if steps else 0,
     }
 
 
