@@ -197,7 +197,8 @@ def build(cfg: Config) -> Stages:
         ppo_epochs=lc.ppo_epochs, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
         correction_fn=None if a.correction == "none" else lookup(
             corrections, a.correction, "correction"),
-        correction_options={"cap": a.correction_cap, "low": a.correction_low})
+        correction_options={"cap": a.correction_cap, "low": a.correction_low},
+        skip_zero_advantage=lc.skip_zero_advantage)
     evaluator = Evaluator(
         engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens),
         prompts=eval_prompts,

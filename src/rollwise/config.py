@@ -170,6 +170,10 @@ class LearnerConfig(_Section):
         "float32", description="Learner compute: float32, or bfloat16 autocast (fp32 master)."
     )
     ppo_epochs: int = Field(1, ge=1, description="Updates per rollout batch.")
+    skip_zero_advantage: bool = Field(
+        True, description="Run no forward/backward for rows whose advantage is 0 when the loss "
+        "declares they add nothing (PPO, GSPO, CISPO with kl_coef and entropy_coef 0 in the "
+        "loss): the same update, faster.")
 
 
 class EvalConfig(_Section):

@@ -22,33 +22,7 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
     try:
         with run.progress(start, num_steps):
             for step in range(start, num_steps):
-                timer = run.timer()
-                with timer("rollout"):
-                    groups = stages.rollout(stages.select())
-                with timer("reward"):
-                    reward_stats = stages.score(groups)
-                while requests := stages.observe(groups):  # the allocator may ask for more
-                    with timer("rollout"):
-                        groups = stages.rollout(requests)
-                    with timer("reward"):
-                        reward_stats = reward_stats + stages.score(groups)
-                groups, chosen = stages.allocation()  # all groups of the step; those to train on
-                kept = stages.filter(chosen)
-                for _ in range(stages.refill_rounds):
-                    if len(kept) >= stages.batch_groups:
-                        break
-                    with timer("rollout"):
-                        more = stages.rollout(stages.select())
-                    with timer("reward"):
-                        reward_stats = reward_stats + stages.score(more)
-                    groups, kept = groups + more, kept + stages.filter(more)
-                kept = kept[: stages.batch_groups]
-                with defer_interrupt():  # Ctrl-C waits until the update is recorded
-                    with timer("train"):
-                        update = stages.update(stages.advantages(kept)) if kept else {}
-                    stages.publish(step + 1)
-                    run.record_step(step + 1, num_steps, groups, kept, reward_stats, update, timer,
-                                    control=stages.control_metrics())
+                train_step(stages, run, step, num_steps)
                 if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
                     run.record_eval(step + 1, stages.evaluate())
                 if checkpoint_every and (step + 1) % checkpoint_every == 0:
@@ -59,3 +33,34 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
     run.checkpoint(num_steps, stages)
     run.record_eval(num_steps, stages.evaluate(), after=True)
     return run.finish()
+
+
+def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
+    """One training step (`step` counts from 0); its metrics record. Benchmarks drive it."""
+    timer = run.timer()
+    with timer("rollout"):
+        groups = stages.rollout(stages.select())
+    with timer("reward"):
+        reward_stats = stages.score(groups)
+    while requests := stages.observe(groups):  # the allocator may ask for more
+        with timer("rollout"):
+            groups = stages.rollout(requests)
+        with timer("reward"):
+            reward_stats = reward_stats + stages.score(groups)
+    groups, chosen = stages.allocation()  # all groups of the step; those to train on
+    kept = stages.filter(chosen)
+    for _ in range(stages.refill_rounds):
+        if len(kept) >= stages.batch_groups:
+            break
+        with timer("rollout"):
+            more = stages.rollout(stages.select())
+        with timer("reward"):
+            reward_stats = reward_stats + stages.score(more)
+        groups, kept = groups + more, kept + stages.filter(more)
+    kept = kept[: stages.batch_groups]
+    with defer_interrupt():  # Ctrl-C waits until the update is recorded
+        with timer("train"):
+            update = stages.update(stages.advantages(kept)) if kept else {}
+        stages.publish(step + 1)
+        return run.record_step(step + 1, num_steps, groups, kept, reward_stats, update,
+                               timer, control=stages.control_metrics())

@@ -15,10 +15,12 @@ from rollwise.algos.losses import aggregate
 from rollwise.algos.registry import (
     advantage_estimators,
     corrections,
+    is_zero_at_zero_advantage,
     kl_estimators,
     lookup,
     policy_losses,
     register,
+    zero_at_zero_advantage,
 )
 
 __all__ = [
@@ -27,8 +29,10 @@ __all__ = [
     "aggregate",
     "call_estimator",
     "corrections",
+    "is_zero_at_zero_advantage",
     "kl_estimators",
     "lookup",
     "policy_losses",
     "register",
+    "zero_at_zero_advantage",
 ]

@@ -9,6 +9,9 @@ Options every loss takes:
                           micro-batches: the micro-batch losses then add up to the full loss
     max_tokens            the constant of "seq-mean-token-sum-norm" (the generation budget)
 
+A loss decorated `@zero_at_zero_advantage` declares that a token's loss and gradient are 0
+where its advantage is 0 (zero-advantage rows then cost the learner nothing; see the registry).
+
 The entropy bonus and the KL penalty are added by the learner, the same way for every loss.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rollwise.algos.registry import policy_losses, register
+from rollwise.algos.registry import policy_losses, register, zero_at_zero_advantage
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -61,6 +64,7 @@ def _finish(per_token: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor |
 
 
 @register(policy_losses, "ppo")
+@zero_at_zero_advantage
 def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2,
              dual_clip: float | None = None, aggregation: str = "token-mean",
@@ -92,6 +96,7 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
 
 
 @register(policy_losses, "gspo")
+@zero_at_zero_advantage
 def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
          mask: torch.Tensor, *, clip_low: float = 3e-4, clip_high: float = 4e-4,
          aggregation: str = "seq-mean-token-mean", weights: torch.Tensor | None = None,
@@ -120,6 +125,7 @@ def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.T
 
 
 @register(policy_losses, "cispo")
+@zero_at_zero_advantage
 def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
           mask: torch.Tensor, *, clip_low: float = 1.0, clip_high: float = 0.28,
           aggregation: str = "token-mean", weights: torch.Tensor | None = None,

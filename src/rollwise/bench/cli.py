@@ -118,3 +118,67 @@ def tail(model: ModelOpt = "tiny", json: JsonOpt = None,
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")
+
+
+@bench_app.command("e2e")
+def e2e(configs: Annotated[list[Path] | None, typer.Argument(
+            help="Training configs (default: configs/tiny_arith.toml configs/quickstart.toml).")
+        ] = None,
+        json: JsonOpt = None,
+        part: Annotated[list[str] | None, typer.Option(
+            help="steps and/or accuracy (repeatable; default both).")] = None,
+        steps: Annotated[int, typer.Option(help="Steps part: measured steps per variant.")] = 5,
+        warmup: Annotated[int, typer.Option(help="Steps part: warm-up steps dropped.")] = 1,
+        accuracy_steps: Annotated[int | None, typer.Option(
+            help="Accuracy part: training steps (default: the config's).")] = None,
+        eval_every: Annotated[int | None, typer.Option(
+            help="Accuracy part: evaluation interval (default: the config's).")] = None,
+        target: Annotated[float | None, typer.Option(
+            help="Target held-out accuracy (default: target-frac x baseline's best).")] = None,
+        target_frac: Annotated[float, typer.Option(help="See --target.")] = 0.9,
+        set_: Annotated[list[str] | None, typer.Option(
+            "--set", help="Config override for every variant, e.g. run.threads=1.")] = None,
+        baseline_set: Annotated[list[str] | None, typer.Option(
+            help="Overrides of the baseline variant (default: hf engine, no zero-advantage "
+            "skip, float32 learner).")] = None,
+        best_set: Annotated[list[str] | None, typer.Option(
+            help="Overrides of the best variant (default: none, the config as shipped).")] = None,
+        vs: Annotated[str | None, typer.Option(
+            help="'trl': TRL's GRPOTrainer alongside, step for step (needs TRL).")] = None,
+        trl_set: Annotated[list[str] | None, typer.Option(
+            help="GRPOConfig field for the TRL side, e.g. gradient_checkpointing=true.")] = None):
+    """B3: step time split (rollout/reward/train/other) and time to a target accuracy."""
+    from rollwise.bench import e2e as b3
+    from rollwise.config import _parse_value
+
+    if vs not in (None, "trl"):
+        raise typer.BadParameter(f"--vs {vs!r}: only 'trl' is supported")
+    parts = tuple(part or ("steps", "accuracy"))
+    bad = [p for p in parts if p not in ("steps", "accuracy")]
+    if bad:
+        raise typer.BadParameter(f"--part {bad[0]!r}: use steps or accuracy")
+    variants = {"baseline": tuple(baseline_set) if baseline_set is not None else b3.BASELINE,
+                "best": tuple(best_set or ())}
+    trl_options = {k.strip(): _parse_value(v.strip())
+                   for k, v in (item.split("=", 1) for item in trl_set or [])}
+    paths = configs or [Path("configs/tiny_arith.toml"), Path("configs/quickstart.toml")]
+    data = b3.run(paths, parts=parts, variants=variants, steps=steps, warmup=warmup,
+                  accuracy_steps=accuracy_steps, eval_every=eval_every, target=target,
+                  target_frac=target_frac, extra=list(set_ or []), vs_trl=vs == "trl",
+                  trl_options=trl_options, progress=_say)
+    for s in data["step_split"]:
+        print_table(f"B3 step time: {s['config']} (median of {steps} steps)", s["variants"],
+                    ["variant", "step_s", "rollout_s", "reward_s", "train_s", "other_s",
+                     "tokens_per_step", "rows_trained_per_step", "rows_skipped_per_step"])
+        for name, r in s["ratios"].items():
+            typer.echo(f"{name}: " + ", ".join(
+                f"{k} {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
+                for k, v in r.items() if v))
+    for a in data["time_to_accuracy"]:
+        print_table(f"B3 time to {a['target']:.3f} held-out accuracy: {a['config']}",
+                    a["variants"], ["variant", "accuracy_before", "final_accuracy",
+                                    "best_accuracy", "seconds_to_target", "rollouts_to_target",
+                                    "tokens_to_target", "seconds_speedup", "train_seconds"])
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")

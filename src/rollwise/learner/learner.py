@@ -9,6 +9,13 @@ With an off-policy correction (TIS/MIS, `correction_fn`), the learner first reco
 old log-probs with its own weights (one extra forward pass, no gradient): the PPO ratio is
 taken against those, and the correction's per-token weights compare them with the engine's
 behaviour log-probs. The entropy bonus is only computed when its coefficient is positive.
+
+Rows whose advantage is 0 everywhere contribute exactly nothing to a loss declared
+`zero_at_zero_advantage` (PPO, GSPO, CISPO) when no KL or entropy term is in the loss; with
+`skip_zero_advantage` the learner runs no forward or backward pass for them. The loss keeps
+its normalisers (token and sequence counts of the whole batch), and a step where every row is
+skipped still steps the optimizer on zero gradients, so the update is the same as without the
+skip (up to float summation order).
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from rollwise.algos import aggregate
-from rollwise.learner.batch import micro_batches
+from rollwise.algos import aggregate, is_zero_at_zero_advantage
+from rollwise.learner.batch import micro_batches, take_rows
 from rollwise.learner.logprobs import token_logprobs
 from rollwise.types import Batch
 
@@ -35,7 +42,8 @@ class Learner:
                  logprob_chunk: int = 1024, precision: str = "float32", temperature: float = 1.0,
                  kl_fn: Callable | None = None, kl_coef: float = 0.0, ppo_epochs: int = 1,
                  kl_in_reward: bool = False, entropy_coef: float = 0.0,
-                 correction_fn: Callable | None = None, correction_options: dict | None = None):
+                 correction_fn: Callable | None = None, correction_options: dict | None = None,
+                 skip_zero_advantage: bool = True):
         self.model = model
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -49,6 +57,10 @@ class Learner:
         self.kl_loss_coef = 0.0 if kl_in_reward else kl_coef  # else the driver puts it in the reward
         self.entropy_coef = entropy_coef
         self.correction_fn, self.correction_options = correction_fn, dict(correction_options or {})
+        # zero-advantage rows add nothing to the gradient: safe to skip (module docstring)
+        self.skip_zero_advantage = (skip_zero_advantage and is_zero_at_zero_advantage(loss_fn)
+                                    and self.kl_loss_coef == 0 and entropy_coef == 0)
+        self.rows_skipped = 0  # zero-advantage rows not run through the model, all steps
         self.ref_model = None
         if kl_coef > 0 and not hasattr(model, "disable_adapter"):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -107,14 +119,29 @@ class Learner:
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One optimizer step per PPO epoch over `batch`; returns averaged metrics."""
+        totals = {"num_tokens": max(batch.num_response_tokens, 1), "num_seqs": batch.num_rows}
+        batch, skipped = self._active_rows(batch)  # correction weights are per row
         batch, weights, correction = self._correct(batch)
         self.model.train()
-        totals = {"num_tokens": max(batch.num_response_tokens, 1), "num_seqs": batch.num_rows}
         metrics: dict[str, float] = {}
         for _ in range(self.ppo_epochs):
             metrics = self._step(batch, totals, weights)
         self.model.eval()
-        return metrics | correction
+        return metrics | correction | {"rows_trained": float(batch.num_rows),
+                                       "rows_skipped_zero_adv": float(skipped)}
+
+    def _active_rows(self, batch: Batch) -> tuple[Batch, int]:
+        """(the rows with a non-zero advantage, rows dropped) when skipping is on; the totals
+        the loss is normalised by are taken from the whole batch before."""
+        if not self.skip_zero_advantage:
+            return batch, 0
+        adv = batch.advantages
+        live = (adv != 0).any(-1) if adv.dim() == 2 else adv != 0  # [N]
+        dropped = int((~live).sum())
+        if dropped:
+            self.rows_skipped += dropped
+            batch = take_rows(batch, torch.nonzero(live)[:, 0])
+        return batch, dropped
 
     def _penalties(self, logp, entropy, rows: Batch, totals: dict, sums: dict) -> torch.Tensor:
         """KL penalty + entropy bonus of one micro-batch, aggregated like the policy loss
@@ -136,7 +163,7 @@ class Learner:
 
     def _step(self, batch: Batch, totals: dict, weights: torch.Tensor | None) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = {"loss": 0.0}  # skipped rows (if any) add exactly 0
         finite = True
         for idx in micro_batches(batch, self.micro_batch_tokens):
             rows = _select(batch, idx, self.device)
@@ -154,10 +181,13 @@ class Learner:
                 finite = False
                 break
             loss.backward()
-            share = len(idx) / totals["num_seqs"]
+            share = len(idx) / batch.num_rows  # metrics: mean over the rows trained
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v * share
             sums["loss"] = sums.get("loss", 0.0) + loss.item()
+        if batch.num_rows == 0:  # every row skipped: Adam still steps, on zero gradients
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
         grad_norm = self._clip()
         if not finite or not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)

@@ -26,22 +26,25 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         ent = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=acc, device=hidden.device)
         w = weight.to(dtype)
+        lse_all = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
-                logits = (hidden[s: s + chunk].to(dtype) @ w.T).to(acc) / temperature
+                # logits / T = (h / T) W^T: the division on [chunk, H], not on [chunk, V]
+                logits = (_scaled(hidden[s: s + chunk].to(dtype), temperature) @ w.T).to(acc)
                 picked = logits.gather(1, targets[s: s + chunk, None])[:, 0]
                 lse = logits.logsumexp(-1)
                 out[s: s + chunk] = picked - lse
+                lse_all[s: s + chunk] = lse
                 if with_entropy:
                     ent[s: s + chunk] = lse - (logits.softmax(-1) * logits).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets)
+        ctx.save_for_backward(hidden, weight, targets, lse_all)
         ctx.chunk, ctx.temperature, ctx.dtype = chunk, temperature, dtype
         ctx.with_entropy = with_entropy
         return out, ent
 
     @staticmethod
     def backward(ctx, grad_out, grad_ent):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse_all = ctx.saved_tensors
         chunk, temp, dtype = ctx.chunk, ctx.temperature, ctx.dtype
         w = weight.to(dtype)
         acc = torch.promote_types(dtype, torch.float32)
@@ -51,24 +54,33 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
-                h = hidden[s: s + chunk].to(dtype)
+                h = _scaled(hidden[s: s + chunk].to(dtype), temp)  # h / T: dz/dW = (h / T)
                 g_out = grad_out[s: s + chunk].to(acc)
-                z = (h @ w.T).to(acc) / temp
-                probs = z.softmax(-1)
+                z = (h @ w.T).to(acc)  # [chunk, V] logits / T, recomputed
+                centred = None
+                if use_ent:
+                    probs = z.softmax(-1)
+                    centred = z - (probs * z).sum(-1, keepdim=True)
+                else:  # softmax from the forward's log-sum-exp, in place: one pass over z
+                    probs = z.sub_(lse_all[s: s + chunk, None]).exp_()
                 # d logp[target] / dz = onehot(target) - softmax
                 coef = g_out[:, None]
-                if use_ent:  # plus g_H * dH/dz = -g_H p (z - E_p z)
-                    centred = z - (probs * z).sum(-1, keepdim=True)
+                if centred is not None:  # plus g_H * dH/dz = -g_H p (z - E_p z)
                     coef = coef + grad_ent[s: s + chunk].to(acc)[:, None] * centred
                 g = probs.mul_(-coef)
                 g.scatter_add_(1, targets[s: s + chunk, None], g_out[:, None])
-                g = (g / temp).to(dtype)
+                g = g.to(dtype)  # [chunk, V] dL/dz; dz/dh = W / T
                 if grad_h is not None:
-                    grad_h[s: s + chunk] = (g @ w).to(hidden.dtype)
+                    grad_h[s: s + chunk] = _scaled(g @ w, temp).to(hidden.dtype)
                 if grad_w is not None:
                     grad_w += (g.T @ h).to(acc)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / temperature, skipped at 1 (no copy)."""
+    return x if temperature == 1.0 else x / temperature
 
 
 def backbone_and_head(model):

@@ -1,0 +1,283 @@
+"""B3, end to end: where a training step's time goes, and time to accuracy.
+
+Each part compares *variants* of one training config (a TOML file plus `--set` overrides):
+
+- `baseline`: the plain synchronous configuration: Hugging Face `generate` as the engine,
+  every row through the learner (no zero-advantage skip), float32 learner.
+- `best`: the config as shipped (native engine: continuous batching, shared prompt prefix,
+  log-probs from the engine; zero-advantage rows skipped; the config's precision).
+
+Parts:
+
+- **steps**: `warmup + steps` training steps per variant, alternating variant by variant in
+  one process (the first to go alternates too), warm-up steps dropped. A step's wall time is
+  split into rollout / reward / train (the learner: advantages and update) / other, as the
+  driver records it. Medians per variant, and per-step paired ratios baseline / variant
+  (median, min, max). Beside the wall times, deterministic counters: tokens generated, rows
+  through the learner, zero-advantage rows skipped.
+- **time to accuracy**: each variant trained from the same start through the real driver
+  with a held-out greedy evaluation every `eval_every` steps; training wall time (evaluation
+  excluded), rollouts and tokens at the first evaluation at or above the target, and the
+  curves (accuracy against wall time and against rollouts). Variants run one after another
+  (a whole run cannot alternate), so these wall times are more exposed to machine load than
+  the step medians; the rollouts and tokens are not.
+
+`--vs trl` (bench/e2e_trl.py) adds TRL's GRPOTrainer to the steps part.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PHASES = ("rollout", "reward", "train", "other")
+BASELINE = ("rollout.engine='hf'", "learner.skip_zero_advantage=false",
+            "learner.precision='float32'")
+DEFAULT_VARIANTS: dict[str, tuple[str, ...]] = {"baseline": BASELINE, "best": ()}
+
+
+def variant_config(path: Path, name: str, overrides: tuple[str, ...] | list[str], out: Path,
+                   extra: list[str] | None = None, **run_keys: Any):
+    """The config of one variant: the file, the variant's overrides, then `extra` (applies to
+    every variant), then the run keys the benchmark sets (name, output dir, steps...)."""
+    from rollwise.config import load_config
+
+    keys = {"name": f"'{Path(path).stem}-{name}'", "output_dir": f"'{out}'", "overwrite": "true",
+            **run_keys}
+    return load_config(path, [*overrides, *(extra or []), *(f"run.{k}={v}" for k, v in
+                                                             keys.items())])
+
+
+@dataclass
+class Side:
+    """One variant built for stepping: its stages and run directory."""
+
+    name: str
+    stages: Any
+    run: Any
+    num_steps: int
+    done: int = 0
+    clock: float = 0.0  # the run's training seconds after the last step
+
+    @classmethod
+    def build(cls, name: str, cfg) -> Side:
+        from rollwise.build import build
+        from rollwise.rundir import Run
+
+        stages = build(cfg)
+        run = Run(Path(cfg.run.output_dir) / cfg.run.name, resume=False, echo=lambda s: None)
+        return cls(name, stages, run, cfg.run.num_steps)
+
+    def step(self) -> dict[str, Any]:
+        """One training step through the driver's `train_step`; its record plus counters."""
+        from rollwise.loop import train_step
+
+        stats = getattr(self.stages.engine, "stats", None)
+        before = _engine_counters(stats)
+        record = train_step(self.stages, self.run, self.done, self.num_steps)
+        self.done += 1
+        after = _engine_counters(stats)
+        record["engine_forward_passes"] = after[0] - before[0] if stats else None
+        # the step's own wall time (the run's clock); the phases and `other` partition it
+        record["time_step"] = record["wall_time"] - self.clock
+        self.clock = record["wall_time"]
+        return record
+
+    def close(self) -> None:
+        self.run.store.close()
+        self.run.metrics.close()
+
+
+def _engine_counters(stats) -> tuple[int, int]:
+    return (stats.forward_passes, stats.generated_tokens) if stats is not None else (0, 0)
+
+
+def step_row(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of one side's step records (warm-up already dropped) and its counters.
+
+    >>> r = step_row("x", [{"time_rollout": 1.0, "time_train": 3.0, "time_step": 4.0,
+    ...                     "step_tokens": 10, "rows_trained": 8.0},
+    ...                    {"time_rollout": 2.0, "time_train": 5.0, "time_step": 7.0,
+    ...                     "step_tokens": 12, "rows_trained": 0.0}])
+    >>> r["step_s"], r["rollout_s"], r["train_s"], r["reward_s"], r["tokens_per_step"]
+    (5.5, 1.5, 4.0, 0.0, 11.0)
+    """
+    def med(key: str) -> float:
+        return statistics.median(float(r.get(key) or 0.0) for r in records)
+
+    row: dict[str, Any] = {"variant": name, "steps": len(records), "step_s": med("time_step")}
+    row |= {f"{p}_s": med(f"time_{p}") for p in PHASES}
+    row |= {"step_min_s": min(r["time_step"] for r in records),
+            "step_max_s": max(r["time_step"] for r in records),
+            "tokens_per_step": med("step_tokens"), "rows_trained_per_step": med("rows_trained"),
+            "rows_skipped_per_step": med("rows_skipped_zero_adv"),
+            "zero_var_frac": med("zero_var_frac")}
+    passes = [r["engine_forward_passes"] for r in records if r.get("engine_forward_passes")]
+    row["engine_forward_passes_per_step"] = statistics.median(passes) if passes else None
+    return row
+
+
+def paired_ratios(base: list[dict[str, Any]], other: list[dict[str, Any]],
+                  key: str) -> dict[str, float] | None:
+    """Median, min and max of base[i][key] / other[i][key] over paired steps.
+
+    >>> paired_ratios([{"t": 4.0}, {"t": 6.0}, {"t": 9.0}], [{"t": 2.0}, {"t": 2.0}, {"t": 3.0}], "t")
+    {'median': 3.0, 'min': 2.0, 'max': 3.0, 'n': 3}
+    """
+    ratios = [b[key] / o[key] for b, o in zip(base, other) if b.get(key) and o.get(key)]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "n": len(ratios)}
+
+
+def alternate(sides: list, rounds: int, progress: Callable[[str], None]) -> dict[str, list]:
+    """`rounds` steps of every side, one side after another; the side that goes first
+    rotates each round, so no side always runs on a machine its predecessor warmed."""
+    records: dict[str, list] = {s.name: [] for s in sides}
+    for i in range(rounds):
+        order = sides[i % len(sides):] + sides[: i % len(sides)]
+        for side in order:
+            rec = side.step()
+            records[side.name].append(rec)
+            progress(f"round {i + 1}/{rounds} {side.name}: step {rec['time_step']:.1f}s "
+                     f"(rollout {rec.get('time_rollout', 0):.1f}s, "
+                     f"train {rec.get('time_train', 0):.1f}s)")
+    return records
+
+
+def run_steps(path: Path, variants: dict[str, tuple[str, ...]], *, steps: int = 5,
+              warmup: int = 1, extra: list[str] | None = None, out: Path,
+              progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """The steps part for one config file (see the module docstring)."""
+    sides = []
+    for name, overrides in variants.items():
+        cfg = variant_config(path, name, overrides, out, extra, num_steps=warmup + steps)
+        sides.append(Side.build(name, cfg))
+    try:
+        records = alternate(sides, warmup + steps, progress)
+    finally:
+        for s in sides:
+            s.close()
+    kept = {name: recs[warmup:] for name, recs in records.items()}
+    return summarise_steps(str(path), kept)
+
+
+def summarise_steps(config: str, kept: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Rows per variant and paired ratios of each variant against the first (the baseline)."""
+    names = list(kept)
+    rows = [step_row(n, kept[n]) | {"config": config} for n in names]
+    base = names[0]
+    ratios = {f"{base}_over_{n}": {k: paired_ratios(kept[base], kept[n], f"time_{k}")
+                                   for k in ("step", "rollout", "train")}
+              for n in names[1:]}
+    return {"config": config, "variants": rows, "ratios": ratios,
+            "per_step": {n: [{k: r.get(k) for k in ("step", "time_step", *[
+                f"time_{p}" for p in PHASES], "step_tokens", "rows_trained",
+                "rows_skipped_zero_adv", "zero_var_frac")} for r in kept[n]] for n in names}}
+
+
+def run_accuracy(path: Path, variants: dict[str, tuple[str, ...]], *, steps: int | None = None,
+                 eval_every: int | None = None, target: float | None = None,
+                 target_frac: float = 0.9, extra: list[str] | None = None, out: Path,
+                 progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """The time-to-accuracy part for one config file; `steps` and `eval_every` default to the
+    file's. The target defaults to `target_frac` of the baseline's best accuracy."""
+    from rollwise.bench.alloc import summarise, train_one
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for name, overrides in variants.items():
+        keys = {} if steps is None else {"num_steps": steps}
+        every = [] if eval_every is None else [f"eval.every={eval_every}"]
+        cfg = variant_config(path, name, overrides, out, [*(extra or []), *every], **keys)
+        progress(f"{Path(path).stem} {name}: {cfg.run.num_steps} steps, eval every "
+                 f"{cfg.eval.every}")
+        runs[name] = train_one(cfg)
+    base = next(iter(runs))
+    best_base = max(r["eval_accuracy"] for r in runs[base] if r["kind"] == "eval")
+    goal = target if target is not None else round(target_frac * best_base, 4)
+    rows = []
+    for name, recs in runs.items():
+        s = summarise(recs, goal)
+        first = next(r for r in recs if r["kind"] == "eval")
+        rows.append({"variant": name, "config": str(path),
+                     "accuracy_before": first["eval_accuracy"], **s,
+                     "train_seconds": max(r["wall_time"] for r in recs)})
+    for row in rows:
+        b = rows[0]
+        for key in ("seconds_to_target", "rollouts_to_target", "tokens_to_target"):
+            ok = b[key] and row[key]
+            row[f"{key.split('_')[0]}_speedup"] = b[key] / row[key] if ok else None
+    return {"config": str(path), "target": goal,
+            "target_rule": "given" if target is not None else f"{target_frac} x baseline's best",
+            "variants": rows, "curves": _accuracy_curves(Path(path).stem, runs)}
+
+
+def _accuracy_curves(stem: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    evals = {n: [r for r in recs if r["kind"] == "eval"] for n, recs in runs.items()}
+    return {
+        f"{stem}: held-out accuracy vs training wall time": {
+            "x": "training seconds", "y": "greedy accuracy",
+            "series": {n: [[r["wall_time"], r["eval_accuracy"]] for r in e]
+                       for n, e in evals.items()}},
+        f"{stem}: held-out accuracy vs rollouts": {
+            "x": "rollouts", "y": "greedy accuracy",
+            "series": {n: [[r["rollouts"], r["eval_accuracy"]] for r in e]
+                       for n, e in evals.items()}},
+    }
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, torch version and threads, for the report."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def run(configs: list[Path], *, parts: tuple[str, ...] = ("steps", "accuracy"),
+        variants: dict[str, tuple[str, ...]] | None = None, steps: int = 5, warmup: int = 1,
+        accuracy_steps: int | None = None, eval_every: int | None = None,
+        target: float | None = None, target_frac: float = 0.9, extra: list[str] | None = None,
+        vs_trl: bool = False, trl_options: dict[str, Any] | None = None,
+        progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """B3 over each config file: the parts asked for, and TRL alongside when `vs_trl`."""
+    variants = dict(variants or DEFAULT_VARIANTS)
+    data: dict[str, Any] = {"benchmark": "B3 end to end", "variants": {
+        k: list(v) for k, v in variants.items()}, "extra": list(extra or []),
+        "step_split": [], "time_to_accuracy": [], "curves": {}}
+    with tempfile.TemporaryDirectory(prefix="rollwise-b3-") as tmp:
+        out = Path(tmp)
+        for path in configs:
+            if "steps" in parts and not vs_trl:
+                data["step_split"].append(run_steps(path, variants, steps=steps, warmup=warmup,
+                                                    extra=extra, out=out, progress=progress))
+            if vs_trl:
+                from rollwise.bench.e2e_trl import run_vs_trl
+
+                data["step_split"].append(run_vs_trl(
+                    path, variants, steps=steps, warmup=warmup, extra=extra, out=out,
+                    trl_options=trl_options or {}, progress=progress))
+            if "accuracy" in parts:
+                acc = run_accuracy(path, variants, steps=accuracy_steps, eval_every=eval_every,
+                                   target=target, target_frac=target_frac, extra=extra,
+                                   out=out, progress=progress)
+                data["curves"] |= acc.pop("curves")
+                data["time_to_accuracy"].append(acc)
+    data["machine"] = machine()
+    return data
