@@ -172,7 +172,7 @@ class RolloutScheduler:
 
     def _submit(self, g: _PendingGroup) -> None:
         if self.spec_group and g.index is None:
-            g.index = GroupNgramIndex()
+            g.index = GroupNgramIndex(max_context=8, min_context=2)
         previous = self.previous.get(tuple(g.ids)) if self.spec_reuse else None
         probe = True
         for k, s in enumerate(g.slots):
@@ -220,10 +220,10 @@ class RolloutScheduler:
                     continue
                 c = s.done or (self.engine.peek(s.rid) if s.rid is not None else s.partial)
                 if c is not None and len(c.token_ids) > s.indexed:
-                    g.index.add(g.ids[-4:] + c.token_ids, start=4 + s.indexed)
+                    g.index.add(g.ids[-8:] + c.token_ids, start=8 + s.indexed)
                     s.indexed = len(c.token_ids)
-            out.append(g.index.draft(g.ids[-4:] + tokens, self.engine.spec_tokens)
-                       if g.index.references else [])
+            out.append(g.index.draft(g.ids[-8:] + tokens, self.engine.spec_tokens)
+                       if g.index.table else [])
         return out
 
     def _abort_rest(self, groups: list[_PendingGroup], delivered: list[_PendingGroup]) -> None:
