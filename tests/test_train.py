@@ -25,6 +25,7 @@ CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 def small(tmp_path: Path, *extra: str):
     """The tiny_arith config, shortened for tests."""
     return load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "run.num_steps=4",
+                                "run.threads=1",  # tiny matmuls: a 2nd thread only costs
                                 "rollout.prompts_per_step=4", "task.num_eval=40",
                                 "eval.every=0", *extra])
 

@@ -6,6 +6,7 @@ objects and exposes one method per stage of the driver in `loop.py`.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,7 +28,7 @@ from rollwise.models import Policy, load_policy
 from rollwise.rewards import RewardPool, RewardSpec, RewardStats, get_verifier
 from rollwise.rewards.filters import drop_zero_variance
 from rollwise.rewards.group import GROUP_REWARDS, GroupTerm, apply_group_rewards, get_group_reward
-from rollwise.rollout import generate_groups
+from rollwise.rollout import RolloutScheduler, generate_groups, summarize_rollout
 from rollwise.runtime import configure as configure_runtime
 from rollwise.tasks import Task, make_task
 from rollwise.types import Batch, Group, Sample
@@ -62,8 +63,12 @@ class Stages:
         return self.sampler.per_step
 
     control: Controller | None = None  # the rollout allocator (None: uniform over `sampler`)
+    scheduler: RolloutScheduler | None = None  # native engine: the rollout strategies
 
     def __post_init__(self):
+        self._rollout_reports: list[dict] = []
+        self._scoring: dict[int, Future] = {}
+        self._score_thread = ThreadPoolExecutor(1, thread_name_prefix="rollwise-score")
         if self.control is None:
             self.control = Controller(
                 self.sampler.items, make_allocator("uniform"), PosteriorBook(),
@@ -79,7 +84,16 @@ class Stages:
         return self.control.plan()
 
     def rollout(self, requests: list[Request]) -> list[Group]:
-        """One engine call per distinct group size; groups come back in request order."""
+        """Groups for the requests. Through the rollout scheduler (native engine): its
+        strategy decides which groups come back (partial: possibly pooled ones from earlier
+        steps instead of some requested), each scored in the background as soon as it is
+        complete. Otherwise one engine call per distinct group size, in request order."""
+        if self.scheduler is not None:
+            report = self.scheduler.run(
+                [r.prompt for r in requests], self.sampler.take, sizes=[r.n for r in requests],
+                on_group=self._score_later)
+            self._rollout_reports.append(report.info)
+            return report.groups
         by_n: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
             by_n.setdefault(r.n, []).append(i)
@@ -100,10 +114,30 @@ class Stages:
         return self.control.finish()
 
     def control_metrics(self) -> dict[str, float]:
-        return dict(self.control.last)
+        """The allocator's figures and the rollout scheduler's, for this step's record."""
+        out = dict(self.control.last)
+        reports, self._rollout_reports = self._rollout_reports, []
+        if reports:
+            out |= summarize_rollout(reports)
+        return out
+
+    def _score_later(self, group: Group) -> None:
+        """Start scoring a complete group while the engine decodes the rest (the reward
+        pool's worker threads run the verifiers; torch releases the GIL while decoding)."""
+        self._scoring[id(group)] = self._score_thread.submit(
+            self.rewards.score, group.trajectories)
 
     def score(self, groups: list[Group]) -> RewardStats:
-        stats = self.rewards.score([t for g in groups for t in g.trajectories])
+        stats = RewardStats(0, 0, 0, 0.0)
+        rest = []
+        for g in groups:
+            started = self._scoring.pop(id(g), None)
+            if started is None:
+                rest.extend(g.trajectories)
+            else:
+                stats = stats + started.result()
+        if rest:
+            stats = stats + self.rewards.score(rest)
         apply_group_rewards(groups, self.group_rewards)
         return stats
 
@@ -126,15 +160,19 @@ class Stages:
         return self.evaluator()
 
     def state_dict(self) -> tuple[dict, dict]:
-        return self.learner.state_dict(), {"sampler": self.sampler.state_dict(),
-                                           "version": self.engine.version,
-                                           "control": self.control.state_dict()}
+        state = {"sampler": self.sampler.state_dict(), "version": self.engine.version,
+                 "control": self.control.state_dict()}
+        if self.scheduler is not None:  # the partial pool and the reuse cache
+            state["rollout"] = self.scheduler.state_dict()
+        return self.learner.state_dict(), state
 
     def load_state_dict(self, learner_state: dict, state: dict) -> None:
         self.learner.load_state_dict(learner_state)
         self.sampler.load_state_dict(state["sampler"])
         if "control" in state:  # checkpoints before adaptive allocation have none
             self.control.load_state_dict(state["control"])
+        if self.scheduler is not None and "rollout" in state:
+            self.scheduler.load_state_dict(state["rollout"])
         self.engine.publish(state["version"])
 
 
@@ -206,11 +244,12 @@ def build(cfg: Config) -> Stages:
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
         temperature=r.temperature or 1.0, chunk=e.batch_size)
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
+    sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, max_tokens=r.max_tokens)
     return Stages(
         policy=policy, task=task, sampler=sampler, control=_build_control(cfg, sampler),
-        engine=engine,
-        sampling=SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, max_tokens=r.max_tokens),
+        engine=engine, sampling=sampling,
+        scheduler=_build_scheduler(cfg, engine, sampling, policy.decode),
         rewards=RewardPool(specs, timeout_s=t.reward_timeout_s),
         learner=learner, evaluator=evaluator,
         advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
@@ -249,6 +288,36 @@ def _build_control(cfg: Config, sampler: UniformSampler) -> Controller:
     return Controller(sampler.items, make_allocator(c.allocator, **options), book,
                       prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                       explore=c.explore, seed=cfg.run.seed, sampler=sampler)
+
+
+def _build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
+                     decode) -> RolloutScheduler | None:
+    """The rollout scheduler over a native engine; None (plain batched generation) for the
+    HF engine, which only supports the 'sync'/'continuous' schedules without speculation."""
+    from rollwise.config import ConfigError
+    from rollwise.engine.native import NativeEngine
+
+    r = cfg.rollout
+    if not isinstance(engine, NativeEngine):
+        needs = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
+            "sync", "continuous"), "rollout.spec_group": r.spec_group,
+            "rollout.spec_reuse": r.spec_reuse}.items() if on]
+        if needs:
+            raise ConfigError(f"{', '.join(needs)} needs the native engine; this model runs on "
+                              "the HF engine (rollout.engine='hf' or an unsupported "
+                              "architecture)")
+        return None
+    if "partial" in r.strategy and cfg.control.allocator != "uniform":
+        raise ConfigError(f"rollout.strategy='{r.strategy}' returns groups from earlier steps "
+                          f"in place of requested ones, which control.allocator="
+                          f"'{cfg.control.allocator}' does not expect; use the uniform "
+                          "allocator with partial rollouts")
+    engine.spec_tokens = r.spec_tokens
+    return RolloutScheduler(
+        engine, sampling, decode, strategy=r.strategy, over_provision=r.over_provision,
+        max_staleness=r.max_staleness, chunk_tokens=r.chunk_tokens, spec_group=r.spec_group,
+        spec_reuse=r.spec_reuse, reuse_rule=r.reuse_rule, lenience=r.lenience,
+        seed=cfg.run.seed)
 
 
 def _build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int) -> Engine:

@@ -103,6 +103,32 @@ class RolloutConfig(_Section):
     )
     batch_size: int = Field(
         64, ge=1, description="Sequences decoded at once (native: max concurrent; hf: per call).")
+    strategy: Literal["sync", "continuous", "partial", "context", "partial+context"] = Field(
+        "continuous", description="Rollout schedule (docs/rollout.md): 'sync' (one static "
+        "batch), 'continuous' (continuous batching), 'partial' (APRIL: over-provision, keep "
+        "unfinished responses for the next step), 'context' (Seer: probes first, then "
+        "longest-predicted-first, in chunks), 'partial+context'. Native engine only, except "
+        "'sync' and 'continuous'.")
+    over_provision: float = Field(
+        2.0, ge=1, description="partial: groups started per step, as a multiple of the target.")
+    max_staleness: int = Field(
+        4, ge=0, description="partial: unfinished responses begun more than this many policy "
+        "versions ago start over (counted as stale_dropped).")
+    chunk_tokens: int = Field(
+        16, ge=1, description="context: tokens a request decodes before it is re-queued.")
+    spec_group: bool = Field(
+        False, description="Seer's grouped speculative decoding: drafts from sibling "
+        "responses, verified exactly (the output distribution is the policy's).")
+    spec_reuse: bool = Field(
+        False, description="SPEC-RL: a prompt seen in an earlier epoch drafts from its "
+        "previous responses; generation resumes at the first rejected token.")
+    spec_tokens: int = Field(4, ge=1, description="Draft tokens verified per forward pass.")
+    reuse_rule: Literal["exact", "spec-rl"] = Field(
+        "exact", description="spec_reuse acceptance: 'exact' (speculative sampling, lossless) "
+        "or 'spec-rl' (SPEC-RL's lenient ratio rule, see lenience).")
+    lenience: float = Field(
+        1.0, ge=1, description="spec-rl rule: accept a draft token when "
+        "min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra acceptance).")
 
 
 class AlgorithmConfig(_Section):

@@ -46,14 +46,21 @@ class NativeEngine:
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                  eos_token_ids: list[int] | None = None, share_prefix: bool = True,
                  static_batch: bool = False, drafter: Drafter | None = None,
-                 spec_tokens: int = 4, spec_max_batch: int = 8, version: int = 0):
+                 spec_tokens: int = 4, spec_max_batch: int = 8, version: int = 0,
+                 weights_from: NativeEngine | None = None):
         """`static_batch`: admit only into an empty batch and keep finished rows computing
         until the whole batch ends (what `generate` does; a baseline). `drafter`: given
         [(request id, tokens so far)] returns a draft per request; consulted when at most
-        `spec_max_batch` rows run (speculation pays in small batches), up to `spec_tokens`."""
+        `spec_max_batch` rows run (speculation pays in small batches), up to `spec_tokens`.
+        `dtype`: float32, bfloat16, or int8 (int8 weights, float32 activations; CPU), see
+        docs/precision.md. `weights_from`: an engine over the same model whose converted
+        weights this one reads (refreshed when that engine publishes), e.g. the evaluator's."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        self.decoder = Decoder(model, dtype=dtype, device=device)
+        if weights_from is not None:
+            self.decoder = weights_from.decoder
+        else:
+            self.decoder = Decoder(model, dtype=dtype, device=device)
         d = self.decoder
         self.cache = KVCache(len(d.layers), d.kv_heads, d.head_dim, d.dtype, d.device)
         self.kv_budget_tokens, self.max_num_seqs = kv_budget_tokens, max_num_seqs
@@ -195,6 +202,8 @@ class NativeEngine:
             rows = list(self._rows)
             single = [i for i, r in enumerate(rows) if _inputs(r) == 1]
             multi = [i for i, r in enumerate(rows) if _inputs(r) > 1]
+            if multi and single and len(rows) <= self.spec_max_batch:
+                multi, single = single + multi, []  # small batch: one pass, a little padding
             if single:
                 self._decode([rows[i] for i in single], single, emitted)
             if multi:

@@ -106,68 +106,82 @@ class RolloutScheduler:
     # -- one step --------------------------------------------------------------------------
 
     def run(self, prompts: list[EncodedPrompt],
-            fetch: Callable[[int], list[EncodedPrompt]] | None = None) -> StepReport:
-        """Roll out `prompts` (the step's target number of groups); with partial rollouts,
-        pooled groups come first and `fetch(k)` supplies the over-provisioned extra."""
+            fetch: Callable[[int], list[EncodedPrompt]] | None = None, *,
+            sizes: list[int] | None = None,
+            on_group: Callable[[Group], None] | None = None) -> StepReport:
+        """Roll out `prompts` (the step's target number of groups; `sizes[i]` samples for
+        prompt i, default the sampling params' n); with partial rollouts, pooled groups come
+        first and `fetch(k)` supplies the over-provisioned extra. `on_group` sees each
+        returned group as soon as it is complete (e.g. to score it while decoding goes on)."""
         target = len(prompts)
         groups = list(self.pool)
         self.pool = []
-        fresh = list(prompts)
+        fresh = [(p, n) for p, n in zip(prompts, sizes or [self.group_size] * target,
+                                        strict=True)]
         if self.partial:
             want = max(target, round(target * self.over_provision))
             if fetch is not None and len(groups) + len(fresh) < want:
-                fresh += fetch(want - len(groups) - len(fresh))
-        groups += [self._new_group(s, ids) for s, ids in fresh]
+                fresh += [(p, self.group_size)
+                          for p in fetch(want - len(groups) - len(fresh))]
+        groups += [self._new_group(s, ids, n) for (s, ids), n in fresh]
         stale = self._apply_staleness_cap(groups)
         start = time.perf_counter()
         before = replace(self.engine.stats)
-        delivered = [g for g in groups if g.complete][:target] if self.partial else []
+        delivered: dict[int, Group] = {}  # uid -> group, in the order they completed
+
+        def deliver(g: _PendingGroup) -> None:
+            if g.uid not in delivered and (not self.partial or len(delivered) < target):
+                delivered[g.uid] = out = self._to_group(g)
+                if on_group is not None:
+                    on_group(out)
+
         for g in groups:
-            if g not in delivered:
+            if self.partial and g.complete:
+                deliver(g)  # completed beyond an earlier step's target
+            elif not g.complete:
                 self._submit(g)
         done_times: list[float] = []
         while self.engine.has_unfinished():
+            if self.partial and len(delivered) >= target:
+                break
             for c in self.engine.step():
                 g, slot = self._by_rid.pop(c.request_id)
                 slot.done, slot.rid, slot.partial = c, None, None
                 slot.finished_at = time.perf_counter() - start
                 done_times.append(slot.finished_at)
                 self._on_finish(g, c)
-                if g.complete and g not in delivered:
-                    delivered.append(g)
-            if self.partial and len(delivered) >= target:
-                break
+                if g.complete:
+                    deliver(g)
         makespan = time.perf_counter() - start
-        if self.partial:
-            delivered = delivered[:target]  # groups done beyond the target wait in the pool
-        self._abort_rest(groups, delivered)
-        out = [self._to_group(g) for g in delivered]
-        self.pool = [g for g in groups if g not in delivered]
+        self._abort_rest(groups)
+        out = [delivered[uid] for uid in sorted(delivered)]  # pooled first, then as asked
+        self.pool = [g for g in groups if g.uid not in delivered]
         for g in self.pool:
             g.age += 1
         if self.spec_reuse:
-            for g in delivered:
-                self.previous[tuple(g.ids)] = [s.done for s in g.slots]
+            for g in groups:
+                if g.uid in delivered:
+                    self.previous[tuple(g.ids)] = [s.done for s in g.slots]
         return StepReport(out, self._info(out, before, makespan, done_times, stale))
 
-    def _new_group(self, sample: Sample, ids: list[int]) -> _PendingGroup:
+    def _new_group(self, sample: Sample, ids: list[int], n: int) -> _PendingGroup:
         uid = self._uid
         self._uid += 1
-        slots = [_Slot(seed=derive_seed(self.seed, uid * 1024 + k))
-                 for k in range(self.group_size)]
+        slots = [_Slot(seed=derive_seed(self.seed, uid * 1024 + k)) for k in range(n)]
         return _PendingGroup(uid, sample, list(ids), slots,
                              estimate=float(self.params.max_tokens))
 
     def _apply_staleness_cap(self, groups: list[_PendingGroup]) -> dict[str, int]:
-        """Partial responses begun more than max_staleness versions ago start over."""
+        """Pooled responses (partial or finished) begun more than max_staleness versions
+        ago start over, so no token older than that reaches the learner."""
         dropped = tokens = 0
         for g in groups:
             for s in g.slots:
-                p = s.partial
+                p = s.partial or s.done
                 if p and p.versions and self.version - min(p.versions) > self.max_staleness:
                     dropped += 1
                     tokens += len(p.token_ids)
-                    s.partial = None
+                    s.partial = s.done = None
         return {"stale_dropped": dropped, "stale_dropped_tokens": tokens}
 
     def _submit(self, g: _PendingGroup) -> None:
@@ -215,18 +229,19 @@ class RolloutScheduler:
             if g is None or g.index is None:
                 out.append([])
                 continue
+            context = g.ids[-8:]  # the prompt's end: drafts may start at the first token
             for s in g.slots:
                 if s is me:
                     continue
                 c = s.done or (self.engine.peek(s.rid) if s.rid is not None else s.partial)
                 if c is not None and len(c.token_ids) > s.indexed:
-                    g.index.add(g.ids[-8:] + c.token_ids, start=8 + s.indexed)
+                    g.index.add(context + c.token_ids, start=len(context) + s.indexed)
                     s.indexed = len(c.token_ids)
-            out.append(g.index.draft(g.ids[-8:] + tokens, self.engine.spec_tokens)
+            out.append(g.index.draft(context + tokens, self.engine.spec_tokens)
                        if g.index.table else [])
         return out
 
-    def _abort_rest(self, groups: list[_PendingGroup], delivered: list[_PendingGroup]) -> None:
+    def _abort_rest(self, groups: list[_PendingGroup]) -> None:
         for g in groups:
             for s in g.slots:
                 if s.rid is not None:
@@ -280,9 +295,10 @@ class RolloutScheduler:
 
         return {"uid": self._uid, "pool": [
             {"uid": g.uid, "sample": asdict(g.sample), "ids": g.ids, "estimate": g.estimate,
-             "slots": [slot(s) for s in g.slots]} for g in self.pool],
-            "previous": {k: [(c.token_ids, c.logprobs) for c in v]
-                         for k, v in self.previous.items()}}
+             "measured": g.measured, "age": g.age, "slots": [slot(s) for s in g.slots]}
+            for g in self.pool],
+            "previous": [[list(k), [[c.token_ids, c.logprobs] for c in v]]
+                         for k, v in self.previous.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._uid = state["uid"]
@@ -295,6 +311,6 @@ class RolloutScheduler:
                 slots.append(_Slot(seed=s["seed"], done=c if s["done"] else None,
                                    partial=None if s["done"] else c))
             self.pool.append(_PendingGroup(g["uid"], Sample(**g["sample"]), g["ids"], slots,
-                                           g["estimate"]))
-        self.previous = {k: [Completion(0, t, lp, "stop") for t, lp in v]
-                         for k, v in state["previous"].items()}
+                                           g["estimate"], g["measured"], g["age"]))
+        self.previous = {tuple(k): [Completion(0, t, lp, "stop") for t, lp in v]
+                         for k, v in state["previous"]}
