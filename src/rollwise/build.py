@@ -6,6 +6,7 @@ objects and exposes one method per stage of the driver in `loop.py`.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -151,10 +152,18 @@ class Stages:
             reference_kl=self.learner.reference_kl, kl_coef=self.kl_in_reward)
 
     def update(self, batch: Batch) -> dict[str, float]:
-        return self.learner.update(batch)
+        self._update = self.learner.update(batch)
+        return self._update
 
     def publish(self, version: int) -> None:
-        self.engine.publish(version)  # in process the engine already reads the new weights
+        """In process the engine reads the new weights in place, or (rollout.dtype other
+        than the model's) converts them: that time goes into this step's update metrics
+        as `publish_seconds` (the dict `update` returned, recorded after publication)."""
+        start = time.perf_counter()
+        self.engine.publish(version)
+        if getattr(self, "_update", None) is not None:
+            self._update["publish_seconds"] = time.perf_counter() - start
+            self._update = None
 
     def evaluate(self) -> dict[str, float]:
         return self.evaluator()
@@ -217,7 +226,7 @@ def build(cfg: Config) -> Stages:
     eval_max = e.max_tokens or r.max_tokens
     eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
-    engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens)
+    engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens, r.dtype)
     specs = [RewardSpec(name, task.verifier if name == "correct" else get_verifier(name), w)
              for name, w in t.rewards.items() if name not in GROUP_REWARDS]
     group_terms = _group_terms(cfg)
@@ -238,7 +247,8 @@ def build(cfg: Config) -> Stages:
         correction_options={"cap": a.correction_cap, "low": a.correction_low},
         skip_zero_advantage=lc.skip_zero_advantage)
     evaluator = Evaluator(
-        engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens),
+        engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens, r.dtype,
+                             weights_from=engine),
         prompts=eval_prompts,
         pool=RewardPool([RewardSpec("correct", task.verifier)], timeout_s=t.reward_timeout_s),
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
@@ -320,10 +330,21 @@ def _build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
         seed=cfg.run.seed)
 
 
-def _build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int) -> Engine:
-    from rollwise.engine import make_engine
+def _build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int,
+                  dtype: str = "float32", weights_from: Engine | None = None) -> Engine:
+    """`dtype`: the native engine's precision; `weights_from`: a native engine whose
+    converted weights this one shares (the evaluator reads the rollout engine's copy)."""
+    from rollwise.config import ConfigError
+    from rollwise.engine import NativeEngine, make_engine
 
+    if name == "hf" and dtype != "float32":
+        raise ConfigError(f"rollout.dtype='{dtype}' needs the native engine (rollout.engine="
+                          "'native'); the HF engine samples from the float32 model")
     options = {"kv_budget_tokens": kv_budget_tokens} if name == "native" else {}
+    if name == "native":
+        options["dtype"] = dtype
+        if isinstance(weights_from, NativeEngine):
+            options["weights_from"] = weights_from
     return make_engine(name, policy.model, eos_token_ids=policy.stop_ids,
                        pad_token_id=policy.tokenizer.pad_token_id, batch_size=batch_size,
                        **options)

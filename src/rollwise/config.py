@@ -103,6 +103,11 @@ class RolloutConfig(_Section):
     )
     batch_size: int = Field(
         64, ge=1, description="Sequences decoded at once (native: max concurrent; hf: per call).")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Native engine precision (weights, activations, KV cache); a "
+        "converted copy of the learner's weights is taken at each publication and the engine "
+        "reports log-probs of the precision that sampled (docs/precision.md). Pair bfloat16 "
+        "with algorithm.correction = 'tis'.")
     strategy: Literal["sync", "continuous", "partial", "context", "partial+context"] = Field(
         "continuous", description="Rollout schedule (docs/rollout.md): 'sync' (one static "
         "batch), 'continuous' (continuous batching), 'partial' (APRIL: over-provision, keep "

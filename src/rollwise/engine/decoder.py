@@ -12,11 +12,20 @@ Two passes share the layer code:
 
 When the engine's dtype or device equals the parameters', weights are used in place: an
 optimizer step is visible to the next forward with no transfer. Otherwise `refresh()` keeps
-a converted copy, taken at each policy publication.
+a converted copy, taken at each policy publication (docs/precision.md):
+
+- `bfloat16` (or any float dtype): weights, activations and the KV cache in that dtype;
+  the projections of one layer that read the same input are fused into one matrix (q/k/v,
+  gate/up), so a decode step runs 4 matrix products per layer, not 7; attention scores and
+  the softmax are computed in float32.
+- int8 weights are not offered: on this CPU the dynamic-int8 linear is fast but changes the
+  policy (per-tensor activation scales), and the weight-only int8 kernel is slower than
+  bfloat16 (docs/precision.md has the measurements).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +101,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+class _Dense:
+    """A converted projection: y = x W^T (+ b) in the engine's dtype."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
+        self.w, self.b = w, b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w, self.b)
+
+
 class Decoder:
     def __init__(self, model, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
@@ -121,48 +140,67 @@ class Decoder:
         cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
         self.cos = cos[0].to(self.device, self.dtype)
         self.sin = sin[0].to(self.device, self.dtype)
-        self._shadow: dict[nn.Module, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._tensors: dict[nn.Module, torch.Tensor] = {}  # converted norm/embedding weights
+        self._linears: dict[nn.Module | tuple, _Dense] = {}  # converted projections
+        self._sizes: dict[tuple, list[int]] = {}  # output widths of each fused projection
         self.refresh()
 
     # -- weights ---------------------------------------------------------------------------
 
-    def _modules(self) -> list[nn.Module]:
-        mods: list[nn.Module] = [self.embed, self.norm, self.lm_head]
+    def _groups(self) -> list[tuple[nn.Module, ...]]:
+        """Projections converted together; those of one tuple read the same input and are
+        fused into one matrix (their outputs concatenated)."""
+        out: list[tuple[nn.Module, ...]] = [(self.lm_head,)]
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            mods += [layer.input_layernorm, layer.post_attention_layernorm, a.q_proj, a.k_proj,
-                     a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+            out += [(a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
+                    (m.down_proj,)]
+        return out
+
+    def _plain(self) -> list[nn.Module]:
+        """Modules whose weight is read as a tensor (embedding lookup, norm gains)."""
+        mods: list[nn.Module] = [self.embed, self.norm]
+        for layer in self.layers:
+            mods += [layer.input_layernorm, layer.post_attention_layernorm]
             if self.qk_norm:
-                mods += [a.q_norm, a.k_norm]
+                mods += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         return mods
 
     @torch.no_grad()
     def refresh(self) -> float:
-        """Take the converted copy of the weights (only when not shared); returns seconds."""
+        """Take the converted copy of the weights (only when not shared): the policy
+        publication's cost; returns seconds."""
         if self.shared:
             return 0.0
-        import time
-
         start = time.perf_counter()
-        shadow = {}
-        for m in self._modules():
-            w = _effective_weight(m)
-            b = getattr(m, "bias", None)
-            shadow[m] = (w.to(self.device, self.dtype),
-                         None if b is None else b.detach().to(self.device, self.dtype))
-        self._shadow = shadow
+        tensors = {m: m.weight.detach().to(self.device, self.dtype) for m in self._plain()}
+        linears: dict[nn.Module | tuple, _Dense] = {}
+        for mods in self._groups():
+            ws = [_effective_weight(m) for m in mods]
+            bs = [getattr(m, "bias", None) for m in mods]
+            w = ws[0] if len(ws) == 1 else torch.cat(ws)
+            b = None if bs[0] is None else torch.cat([x.detach() for x in bs])
+            linears[mods if len(mods) > 1 else mods[0]] = _Dense(
+                w.to(self.device, self.dtype), None if b is None else b.to(self.device, self.dtype))
+            self._sizes[mods] = [x.shape[0] for x in ws]
+        self._tensors, self._linears = tensors, linears
         return time.perf_counter() - start
 
     def _w(self, m: nn.Module) -> torch.Tensor:
-        return m.weight if self._shadow is None else self._shadow[m][0]
+        return m.weight if self.shared else self._tensors[m]
 
     def _lin(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-        if self._shadow is not None:
-            w, b = self._shadow[m]
-            return F.linear(x, w, b)
+        if not self.shared:
+            return self._linears[m](x)
         if type(m) is nn.Linear:
             return F.linear(x, m.weight, m.bias)
         return m(x)  # e.g. a LoRA-wrapped projection: its own forward reads live adapters
+
+    def _lin_many(self, x: torch.Tensor, mods: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+        """The projections `mods` of one input: one fused product when converted."""
+        if self.shared:
+            return [self._lin(x, m) for m in mods]
+        return list(self._linears[mods](x).split(self._sizes[mods], -1))
 
     def _rms(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
         eps = getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6))
@@ -171,24 +209,25 @@ class Decoder:
         return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * self._w(m)
 
     def _mlp(self, x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
-        gate = self._lin(x, mlp.gate_proj)
+        gate, up = self._lin_many(x, (mlp.gate_proj, mlp.up_proj))
         gate = F.silu(gate) if self.silu else mlp.act_fn(gate)
-        return self._lin(gate * self._lin(x, mlp.up_proj), mlp.down_proj)
+        return self._lin(gate * up, mlp.down_proj)
 
     def _qkv(self, x, layer, cos, sin):
         a = layer.self_attn
         b, c, _ = x.shape
         h = self._rms(x, layer.input_layernorm)
-        q = self._lin(h, a.q_proj).view(b, c, self.heads, self.head_dim)
-        k = self._lin(h, a.k_proj).view(b, c, self.kv_heads, self.head_dim)
-        v = self._lin(h, a.v_proj).view(b, c, self.kv_heads, self.head_dim)
+        q, k, v = self._lin_many(h, (a.q_proj, a.k_proj, a.v_proj))
+        q = q.reshape(b, c, self.heads, self.head_dim)
+        k = k.reshape(b, c, self.kv_heads, self.head_dim)
+        v = v.reshape(b, c, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self._rms(q, a.q_norm), self._rms(k, a.k_norm)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] last hidden states -> [N, V] float32 logits."""
-        return F.linear(self._rms(hidden, self.norm), self._w(self.lm_head)).float()
+        return self._lin(self._rms(hidden, self.norm), self.lm_head).float()
 
     # -- passes ----------------------------------------------------------------------------
 

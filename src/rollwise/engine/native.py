@@ -52,7 +52,7 @@ class NativeEngine:
         until the whole batch ends (what `generate` does; a baseline). `drafter`: given
         [(request id, tokens so far)] returns a draft per request; consulted when at most
         `spec_max_batch` rows run (speculation pays in small batches), up to `spec_tokens`.
-        `dtype`: float32, bfloat16, or int8 (int8 weights, float32 activations; CPU), see
+        `dtype`: the weights, activations and KV cache (float32 or bfloat16), see
         docs/precision.md. `weights_from`: an engine over the same model whose converted
         weights this one reads (refreshed when that engine publishes), e.g. the evaluator's."""
         if isinstance(dtype, str):

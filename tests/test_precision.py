@@ -1,0 +1,203 @@
+"""Low-precision rollouts (docs/precision.md): the bfloat16 engine against float32, its
+behaviour log-probs, the weight conversion at publication, the mismatch metrics of the
+TIS/MIS corrections, and training with bfloat16 rollouts + TIS against float32."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollwise.algos import corrections, policy_losses
+from rollwise.engine import NativeEngine, SamplingParams
+from rollwise.learner import Learner
+from rollwise.learner.batch import collate
+from rollwise.learner.logprobs import token_logprobs
+from rollwise.types import Sample, Trajectory
+
+CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """The warm-started tiny model and 24 of its arithmetic prompts (cached on disk)."""
+    from rollwise.bench.common import load_workload
+
+    policy, prompts = load_workload("tiny", 24)
+    return policy, prompts
+
+
+def _engine(policy, dtype, **kw) -> NativeEngine:
+    return NativeEngine(policy.model, dtype=dtype, eos_token_ids=policy.stop_ids, **kw)
+
+
+def _trajectories(prompts, completions) -> list[Trajectory]:
+    return [Trajectory(sample=Sample(id=str(i), prompt="", answer=""),
+                       prompt_ids=list(prompts[c.prompt_index]), response_ids=c.token_ids,
+                       logprobs=c.logprobs, versions=c.versions, finish_reason=c.finish_reason)
+            for i, c in enumerate(completions)]
+
+
+def _forward_logprobs(model, prompts, completions) -> list[torch.Tensor]:
+    """Each completion's log-probs from a full forward pass of `model` (teacher forcing)."""
+    out = []
+    for c in completions:
+        p = prompts[c.prompt_index]
+        ids = torch.tensor([p + c.token_ids])
+        mask = torch.zeros(ids.shape)
+        mask[0, len(p):] = 1
+        with torch.no_grad():
+            lp = token_logprobs(model, ids, torch.ones_like(ids), mask)
+        out.append(lp[0, len(p):].double())
+    return out
+
+
+def _mean_abs(a: list[torch.Tensor], b: list[list[float]]) -> float:
+    diffs = torch.cat([x - torch.tensor(y, dtype=torch.double) for x, y in zip(a, b)])
+    return float(diffs.abs().mean())
+
+
+def test_bf16_greedy_agrees_with_float32_on_most_prompts(workload) -> None:
+    policy, prompts = workload
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=24)
+    want = _engine(policy, "float32").generate(prompts, greedy)
+    got = _engine(policy, "bfloat16").generate(prompts, greedy)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(want, got)) / len(prompts)
+    assert same >= 0.75, f"bfloat16 greedy equals float32 on {same:.0%} of prompts"
+    # not the float32 policy run twice: the engine really computes in bfloat16
+    assert _engine(policy, "bfloat16").decoder.cos.dtype == torch.bfloat16
+
+
+def test_bf16_logprobs_are_those_of_the_bf16_policy(workload) -> None:
+    """The behaviour log-probs come from the precision that sampled: closer to a bfloat16
+    forward pass of the same weights than to the float32 one (which the float32 engine
+    matches to float32 rounding)."""
+    policy, prompts = workload
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=24, seed=3)
+    out16 = _engine(policy, "bfloat16").generate(prompts[:8], params)
+    out32 = _engine(policy, "float32").generate(prompts[:8], params)
+    model16 = copy.deepcopy(policy.model).to(torch.bfloat16)
+    err_same = _mean_abs(_forward_logprobs(model16, prompts, out16), [c.logprobs for c in out16])
+    err_other = _mean_abs(_forward_logprobs(policy.model, prompts, out16),
+                          [c.logprobs for c in out16])
+    err_fp32 = _mean_abs(_forward_logprobs(policy.model, prompts, out32),
+                         [c.logprobs for c in out32])
+    assert err_fp32 < 1e-5
+    assert err_same < 0.02
+    assert err_same < err_other, (err_same, err_other)
+
+
+def test_fused_converted_weights_compute_the_same_function(workload) -> None:
+    """A float64 engine over the float32 model takes the converted path (q/k/v and gate/up
+    fused into one matrix each): same greedy tokens and log-probs as the in-place one."""
+    policy, prompts = workload
+    greedy = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5)
+    shared = _engine(policy, "float32")
+    converted = _engine(policy, "float64")
+    assert shared.decoder.shared and not converted.decoder.shared
+    a, b = shared.generate(prompts[:6], greedy), converted.generate(prompts[:6], greedy)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    err = max(abs(x - y) for c, d in zip(a, b) for x, y in zip(c.logprobs, d.logprobs))
+    assert err < 1e-4
+
+
+def test_publish_converts_the_master_weights_and_is_timed(workload) -> None:
+    policy, prompts = workload
+    model = copy.deepcopy(policy.model)
+    engine = NativeEngine(model, dtype="bfloat16", eos_token_ids=policy.stop_ids)
+    evaluator = NativeEngine(model, eos_token_ids=policy.stop_ids, weights_from=engine)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
+    before = engine.generate(prompts[:4], params)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # an "optimizer step" on the float32 master copy
+    stale = engine.generate(prompts[:4], params)
+    assert [c.logprobs for c in stale] == [c.logprobs for c in before]  # old copy until publish
+    engine.publish(1)
+    assert engine.stats.publish_seconds > 0
+    after = engine.generate(prompts[:4], params)
+    assert [c.logprobs for c in after] != [c.logprobs for c in before]
+    assert all(v == 1 for c in after for v in c.versions)
+    # the evaluator's engine reads the same converted copy, refreshed by that publication
+    assert evaluator.decoder is engine.decoder
+    assert [c.logprobs for c in evaluator.generate(prompts[:4], params)] == \
+        [c.logprobs for c in after]
+
+
+def _learner(model, correction: str) -> Learner:
+    return Learner(model, loss_fn=policy_losses["ppo"], loss_options={}, lr=1e-4,
+                   correction_fn=corrections[correction], correction_options={"cap": 2.0},
+                   skip_zero_advantage=False)
+
+
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+def test_mismatch_metrics_vanish_at_the_same_precision(workload, correction) -> None:
+    """Engine and learner in float32: KL 0, weights 1, nothing clipped. A bfloat16 engine
+    against the float32 learner: the same metrics see the mismatch."""
+    policy, prompts = workload
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=24, seed=2)
+    metrics = {}
+    for dtype in ("float32", "bfloat16"):
+        outs = _engine(policy, dtype).generate(prompts[:6], params)
+        trajs = _trajectories(prompts, outs)
+        adv = torch.linspace(-1, 1, len(trajs))
+        batch = collate(trajs, adv, torch.arange(len(trajs)) // 4, pad_id=0)
+        metrics[dtype] = _learner(copy.deepcopy(policy.model), correction).update(batch)
+    same, mixed = metrics["float32"], metrics["bfloat16"]
+    assert abs(same["correction_kl"]) < 1e-7 and abs(same["correction_kl_k1"]) < 1e-5
+    assert same["correction_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert same["correction_weight_max"] == pytest.approx(1.0, abs=1e-5)
+    assert same["correction_clipped_frac"] == 0.0
+    assert same["correction_ess"] == pytest.approx(1.0, abs=1e-9)
+    assert mixed["correction_kl"] > 100 * max(same["correction_kl"], 1e-8)
+    assert abs(mixed["correction_weight_mean"] - 1.0) < 0.1  # a small mismatch
+    if correction == "tis":  # token weights spread around 1 (MIS keeps them all at 1 here)
+        assert mixed["correction_weight_max"] > 1.001 and mixed["correction_ess"] < 1.0
+
+
+def test_rollout_dtype_config_reaches_the_engines(tmp_path) -> None:
+    from rollwise.build import build
+    from rollwise.config import ConfigError, load_config
+
+    base = [f"run.output_dir='{tmp_path}'", "run.threads=1", "task.num_eval=8"]
+    stages = build(load_config(CONFIG, [*base, "rollout.dtype='bfloat16'"]))
+    assert stages.engine.dtype == torch.bfloat16
+    assert stages.evaluator.engine.decoder is stages.engine.decoder
+    with pytest.raises(ConfigError, match="native engine"):
+        build(load_config(CONFIG, [*base, "rollout.dtype='bfloat16'", "rollout.engine='hf'"]))
+    with pytest.raises(Exception, match="rollout.dtype"):
+        load_config(CONFIG, [*base, "rollout.dtype='int4'"])
+
+
+@pytest.mark.slow
+def test_bf16_rollouts_with_tis_train_like_float32(tmp_path) -> None:
+    """60 steps of the tiny config: bfloat16 rollouts + bfloat16 learner + TIS raise the
+    reward and reach the float32 run's level (same seed), with the mismatch reported."""
+    from rollwise.build import build
+    from rollwise.config import load_config, to_toml
+    from rollwise.loop import train
+    from rollwise.rundir import Run
+
+    curves, last = {}, {}
+    for name, extra in {"fp32": ["rollout.dtype='float32'", "learner.precision='float32'"],
+                        "bf16": ["rollout.dtype='bfloat16'", "learner.precision='bf16-autocast'",
+                                 "algorithm.correction='tis'"]}.items():
+        cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", f"run.name='{name}'",
+                                   "run.num_steps=60", "run.threads=1", "eval.every=0",
+                                   "rollout.prompts_per_step=16", "task.num_eval=40", *extra])
+        run = Run(tmp_path / name, resume=False, config_toml=to_toml(cfg), echo=lambda s: None)
+        train(build(cfg), run, 60)
+        records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
+                   .splitlines()]
+        train_recs = [r for r in records if r["kind"] == "train"]
+        curves[name] = [r["reward_mean"] for r in train_recs]
+        last[name] = train_recs[-1]
+    for name, rewards in curves.items():
+        first, final = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+        assert final > first + 0.05, f"{name}: reward {first:.3f} -> {final:.3f}"
+    fp32, bf16 = (sum(curves[n][-10:]) / 10 for n in ("fp32", "bf16"))
+    assert bf16 > fp32 - 0.1, f"bf16+TIS final reward {bf16:.3f} vs float32 {fp32:.3f}"
+    assert last["bf16"]["correction_kl"] > 0 and last["bf16"]["publish_seconds"] > 0
+    assert "correction_kl" not in last["fp32"]
