@@ -28,7 +28,9 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
             fixed_batch: Annotated[int, typer.Option(help="Fixed workload: sequences.")] = 64,
             fixed_tokens: Annotated[int, typer.Option(help="Fixed workload: tokens.")] = 64,
             reps: Annotated[int, typer.Option(help="Alternating repetitions per side.")] = 3,
-            dtype: Annotated[str, typer.Option(help="Native engine dtype.")] = "float32",
+            dtype: Annotated[list[str] | None, typer.Option(
+                help="Native engine dtype: float32 and/or bfloat16 (repeatable: the precision "
+                "axis; default float32).")] = None,
             workload: Annotated[list[str] | None, typer.Option(
                 help="natural and/or fixed (repeatable; default both).")] = None,
             device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -39,18 +41,22 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
 
     configure(threads)
     data = b1.run(model, prompts=prompts, n=n, max_tokens=max_tokens, fixed_batch=fixed_batch,
-                  fixed_tokens=fixed_tokens, reps=reps, dtype=dtype, device=device,
+                  fixed_tokens=fixed_tokens, reps=reps, dtypes=tuple(dtype or ("float32",)),
+                  device=device,
                   workloads=tuple(workload or ("natural", "fixed")), progress=_say)
     print_table(f"B1 rollout throughput: {model}, {data['threads']} threads", data["results"],
                 ["workload", "engine", "tokens_per_s", "wall_s", "generated_tokens",
                  "forward_passes", "latency_p50_s", "latency_p99_s", "slot_waste", "roofline",
                  "decode_roofline"])
     for r in data["ratios"]:
-        typer.echo(f"{r['workload']}: native / hf tokens/s = "
+        typer.echo(f"{r['workload']}: {r['engine']} / hf tokens/s = "
                    f"{r['native_over_hf_tokens_per_s']:.2f}x (median of {len(r['per_rep'])})")
     c = data["checks"]
-    typer.echo(f"checks: greedy identical to generate on {c['greedy_identical']:.0%} of "
-               f"{c['greedy_prompts']} prompts; max |log-prob error| {c['max_logprob_error']:.2e}")
+    for d in data["dtypes"]:
+        typer.echo(f"checks {d}: greedy identical to float32 generate on "
+                   f"{c[f'greedy_identical_{d}']:.0%} of {c['greedy_prompts']} prompts; |log-prob "
+                   f"error| vs a {d} forward: max {c[f'max_logprob_error_{d}']:.2e}, mean "
+                   f"{c[f'mean_logprob_error_{d}']:.2e}; publish {data['publish_seconds'][d]:.3f}s")
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")
@@ -143,6 +149,9 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
             "skip, float32 learner).")] = None,
         best_set: Annotated[list[str] | None, typer.Option(
             help="Overrides of the best variant (default: none, the config as shipped).")] = None,
+        precision: Annotated[bool, typer.Option(
+            "--precision", help="Compare float32 with bfloat16 rollouts + bfloat16 learner + "
+            "TIS instead of baseline/best (docs/precision.md).")] = False,
         vs: Annotated[str | None, typer.Option(
             help="'trl': TRL's GRPOTrainer alongside, step for step (needs TRL).")] = None,
         trl_set: Annotated[list[str] | None, typer.Option(
@@ -159,6 +168,8 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
         raise typer.BadParameter(f"--part {bad[0]!r}: use steps or accuracy")
     variants = {"baseline": tuple(baseline_set) if baseline_set is not None else b3.BASELINE,
                 "best": tuple(best_set or ())}
+    if precision:
+        variants = dict(b3.PRECISIONS)
     trl_options = {k.strip(): _parse_value(v.strip())
                    for k, v in (item.split("=", 1) for item in trl_set or [])}
     paths = configs or [Path("configs/tiny_arith.toml"), Path("configs/quickstart.toml")]

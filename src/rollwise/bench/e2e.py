@@ -6,6 +6,8 @@ Each part compares *variants* of one training config (a TOML file plus `--set` o
   every row through the learner (no zero-advantage skip), float32 learner.
 - `best`: the config as shipped (native engine: continuous batching, shared prompt prefix,
   log-probs from the engine; zero-advantage rows skipped; the config's precision).
+- with `--precision`, instead: `float32` (engine and learner in float32) against `bfloat16`
+  (bfloat16 rollouts, bfloat16-autocast learner, token TIS); see `PRECISIONS`.
 
 Parts:
 
@@ -35,9 +37,17 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("rollout", "reward", "train", "other")
-BASELINE = ("rollout.engine='hf'", "learner.skip_zero_advantage=false",
+BASELINE = ("rollout.engine='hf'", "rollout.dtype='float32'", "learner.skip_zero_advantage=false",
             "learner.precision='float32'")
 DEFAULT_VARIANTS: dict[str, tuple[str, ...]] = {"baseline": BASELINE, "best": ()}
+# the precision axis (`--precision`): float32 everywhere against bfloat16 rollouts, bfloat16
+# autocast learner and token TIS, both on the native engine (docs/precision.md)
+PRECISIONS: dict[str, tuple[str, ...]] = {
+    "float32": ("rollout.engine='native'", "rollout.dtype='float32'",
+                "learner.precision='float32'", "algorithm.correction='none'"),
+    "bfloat16": ("rollout.engine='native'", "rollout.dtype='bfloat16'",
+                 "learner.precision='bf16-autocast'", "algorithm.correction='tis'"),
+}
 
 
 def variant_config(path: Path, name: str, overrides: tuple[str, ...] | list[str], out: Path,

@@ -4,10 +4,15 @@ prompts and sampling parameters, in the same process, alternating, with median r
 Workloads (BENCHMARKS.md): `natural` (16 prompts x 8 samples, temperature 1, stop at EOS,
 max 256 tokens) and `fixed` (64 sequences x 64 tokens, EOS ignored: a clean tokens/s and
 the roofline fraction against the measured matrix-multiply peak of the same dtype).
+
+The precision axis: one native engine per dtype (`dtypes`, e.g. float32 and bfloat16), all
+against float32 `generate`, alternating in the same process; `publish_seconds` is the time
+of one weight conversion from the float32 master copy (0 for float32: weights in place).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import replace
 from typing import Any
@@ -81,35 +86,53 @@ def _summarise(name: str, workload: str, runs: list[dict], params_count: int,
     return row
 
 
-def _checks(policy, engine: NativeEngine, hf: HFEngine, prompts: list[list[int]]) -> dict:
-    """Greedy identity with `generate`, and sampled log-probs against a full forward."""
+def _checks(policy, engines: dict[str, NativeEngine], hf: HFEngine,
+            prompts: list[list[int]]) -> dict:
+    """Per engine dtype: greedy identity with float32 `generate`, and sampled log-probs
+    against a full forward pass of the model at the same precision (mean and max error)."""
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=48)
-    a, b = hf.generate(prompts, greedy), engine.generate(prompts, greedy)
-    same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
-    sampled = engine.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_tokens=48,
-                                                          seed=1))
-    err = 0.0
-    model = policy.model
-    with torch.no_grad():
-        for c in sampled:
-            p = prompts[c.prompt_index]
-            ids = torch.tensor([p + c.token_ids], device=policy.device)
-            logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()
-            ref = torch.log_softmax(logits, -1).gather(
-                -1, torch.tensor(c.token_ids, device=ids.device)[:, None])[:, 0].cpu()
-            err = max(err, float((ref - torch.tensor(c.logprobs)).abs().max()))
-    return {"greedy_identical": same / len(prompts), "greedy_prompts": len(prompts),
-            "max_logprob_error": err}
+    want = hf.generate(prompts, greedy)
+    out: dict[str, Any] = {"greedy_prompts": len(prompts)}
+    for dtype, engine in engines.items():
+        got = engine.generate(prompts, greedy)
+        out[f"greedy_identical_{dtype}"] = sum(
+            x.token_ids == y.token_ids for x, y in zip(want, got)) / len(prompts)
+        sampled = engine.generate(prompts[:4], SamplingParams(n=2, temperature=1.0,
+                                                              max_tokens=48, seed=1))
+        model = policy.model
+        if dtype != str(next(model.parameters()).dtype).split(".")[-1]:
+            model = copy.deepcopy(model).to(getattr(torch, dtype))
+        errs = []
+        with torch.no_grad():
+            for c in sampled:
+                p = prompts[c.prompt_index]
+                ids = torch.tensor([p + c.token_ids], device=policy.device)
+                logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()
+                ref = torch.log_softmax(logits, -1).gather(
+                    -1, torch.tensor(c.token_ids, device=ids.device)[:, None])[:, 0].cpu()
+                errs.append((ref - torch.tensor(c.logprobs)).abs())
+        err = torch.cat(errs)
+        out[f"max_logprob_error_{dtype}"] = float(err.max())
+        out[f"mean_logprob_error_{dtype}"] = float(err.mean())
+    # the first dtype under the historical names (B1's float32 checks)
+    first = next(iter(engines))
+    out["greedy_identical"] = out[f"greedy_identical_{first}"]
+    out["max_logprob_error"] = out[f"max_logprob_error_{first}"]
+    return out
 
 
 def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int = 256,
-        fixed_batch: int = 64, fixed_tokens: int = 64, reps: int = 3, dtype: str = "float32",
-        hf_batch: int = 64, device: str = "cpu", seed: int = 0,
-        workloads: tuple[str, ...] = ("natural", "fixed"), progress=None) -> dict[str, Any]:
+        fixed_batch: int = 64, fixed_tokens: int = 64, reps: int = 3,
+        dtypes: tuple[str, ...] = ("float32",), hf_batch: int = 64, device: str = "cpu",
+        seed: int = 0, workloads: tuple[str, ...] = ("natural", "fixed"),
+        progress=None) -> dict[str, Any]:
+    """Each native engine dtype (the precision axis) against float32 `generate`; sides
+    alternate within a repetition (the first rotates); every roofline is against the
+    matrix-multiply peak of its own dtype, measured in this run."""
     policy, ids = load_workload(model, max(prompts, fixed_batch), seed, device)
-    torch_dtype = getattr(torch, dtype)
-    native = NativeEngine(policy.model, dtype=torch_dtype, eos_token_ids=policy.stop_ids,
-                          max_num_seqs=max(prompts * n, fixed_batch), device=device)
+    natives = {d: NativeEngine(policy.model, dtype=getattr(torch, d), device=device,
+                               eos_token_ids=policy.stop_ids,
+                               max_num_seqs=max(prompts * n, fixed_batch)) for d in dtypes}
     hf = HFEngine(policy.model, pad_token_id=policy.tokenizer.pad_token_id,
                   eos_token_ids=policy.stop_ids, batch_size=hf_batch)
     params_count = sum(p.numel() for p in policy.model.parameters())
@@ -120,28 +143,34 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
                   SamplingParams(n=n, temperature=1.0, max_tokens=fixed_tokens,
                                  ignore_eos=True, seed=seed)),
     }
-    peaks = {dtype: matmul_peak_gflops(torch_dtype, device=device),
-             "float32": matmul_peak_gflops(torch.float32, device=device)}
+    peaks = {d: matmul_peak_gflops(getattr(torch, d), device=device)
+             for d in dict.fromkeys(("float32", *dtypes))}
+    sides = ["hf", *(f"native-{d}" for d in dtypes)]
     rows, ratios = [], []
     for w in workloads:
         prompt_ids, params = specs[w]
-        runs: dict[str, list[dict]] = {"hf": [], "native": []}
+        runs: dict[str, list[dict]] = {s: [] for s in sides}
         for rep in range(reps):
-            order = ["hf", "native"] if rep % 2 == 0 else ["native", "hf"]
-            for side in order:
-                fn = _run_hf if side == "hf" else _run_native
-                runs[side].append(fn(hf if side == "hf" else native, prompt_ids,
-                                     replace(params, seed=seed + rep)))
+            for side in sides[rep % len(sides):] + sides[: rep % len(sides)]:
+                if side == "hf":
+                    result = _run_hf(hf, prompt_ids, replace(params, seed=seed + rep))
+                else:
+                    result = _run_native(natives[side.removeprefix("native-")], prompt_ids,
+                                         replace(params, seed=seed + rep))
+                runs[side].append(result)
                 if progress:
                     progress(f"{w} rep {rep + 1}/{reps} {side}: "
-                             f"{runs[side][-1]['generated_tokens'] / runs[side][-1]['wall_s']:.0f} tok/s")
+                             f"{result['generated_tokens'] / result['wall_s']:.0f} tok/s")
         rows.append(_summarise("hf", w, runs["hf"], params_count, peaks["float32"]))
-        rows.append(_summarise(f"native-{dtype}", w, runs["native"], params_count, peaks[dtype]))
-        per_rep = [(b["generated_tokens"] / b["wall_s"]) / (a["generated_tokens"] / a["wall_s"])
-                   for a, b in zip(runs["hf"], runs["native"])]
-        ratios.append({"workload": w, "native_over_hf_tokens_per_s": median(per_rep),
-                       "per_rep": per_rep})
-    return {"benchmark": "rollout", "model": model, "dtype": dtype, "device": device,
+        for d in dtypes:
+            side = f"native-{d}"
+            rows.append(_summarise(side, w, runs[side], params_count, peaks[d]) | {"dtype": d})
+            per_rep = [(b["generated_tokens"] / b["wall_s"]) / (a["generated_tokens"] / a["wall_s"])
+                       for a, b in zip(runs["hf"], runs[side])]
+            ratios.append({"workload": w, "engine": side, "dtype": d,
+                           "native_over_hf_tokens_per_s": median(per_rep), "per_rep": per_rep})
+    return {"benchmark": "rollout", "model": model, "dtypes": list(dtypes), "device": device,
             "threads": torch.get_num_threads(), "parameters": params_count, "reps": reps,
             "matmul_peak_gflops": peaks, "results": rows, "ratios": ratios,
-            "checks": _checks(policy, native, hf, ids[:8])}
+            "publish_seconds": {d: e.decoder.refresh() for d, e in natives.items()},
+            "checks": _checks(policy, natives, hf, ids[:8])}
