@@ -201,3 +201,28 @@ def test_bf16_rollouts_with_tis_train_like_float32(tmp_path) -> None:
     assert bf16 > fp32 - 0.1, f"bf16+TIS final reward {bf16:.3f} vs float32 {fp32:.3f}"
     assert last["bf16"]["correction_kl"] > 0 and last["bf16"]["publish_seconds"] > 0
     assert "correction_kl" not in last["fp32"]
+
+
+def test_compare_runs_reports_mismatch_and_publication(tmp_path) -> None:
+    """Two short tiny runs (float32; bfloat16 + TIS) compared side by side: the bfloat16
+    run records its publication cost and the mismatch, the float32 run neither."""
+    from rollwise.bench.e2e import PRECISIONS, compare_runs
+    from rollwise.build import build
+    from rollwise.config import load_config, to_toml
+    from rollwise.loop import train
+    from rollwise.rundir import Run
+
+    for name, overrides in PRECISIONS.items():
+        cfg = load_config(CONFIG, [*overrides, f"run.output_dir='{tmp_path}'",
+                                   f"run.name='{name}'", "run.threads=1", "eval.every=0",
+                                   "rollout.prompts_per_step=4", "task.num_eval=8"])
+        run = Run(tmp_path / name, resume=False, config_toml=to_toml(cfg), echo=lambda s: None)
+        train(build(cfg), run, 2, eval_before=False)
+    data = compare_runs([tmp_path / "float32", tmp_path / "bfloat16"])
+    fp32, bf16 = data["runs"]
+    assert (fp32["run"], bf16["run"], fp32["steps"], bf16["steps"]) == (
+        "float32", "bfloat16", 2, 2)
+    assert bf16["publish_s"] > 0 and bf16["kl"] > 0 and bf16["weight_mean"] > 0
+    assert fp32["publish_s"] < bf16["publish_s"] and fp32["kl"] is None
+    assert set(data["curves"]["runs: training reward vs step"]["series"]) == {
+        "float32", "bfloat16"}

@@ -193,3 +193,18 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")
+
+
+@bench_app.command("compare")
+def compare(runs: Annotated[list[Path], typer.Argument(help="Finished run directories.")],
+            json: JsonOpt = None):
+    """Runs side by side: accuracy, time split, mismatch metrics, curves in one page."""
+    from rollwise.bench.e2e import compare_runs
+
+    data = compare_runs(runs)
+    print_table("runs compared", data["runs"],
+                ["run", "accuracy_before", "accuracy_after", "best_accuracy", "train_seconds",
+                 "rollout_s", "train_s", "publish_s", "kl", "weight_mean", "clipped_frac"])
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")

@@ -291,3 +291,39 @@ def run(configs: list[Path], *, parts: tuple[str, ...] = ("steps", "accuracy"),
                 data["time_to_accuracy"].append(acc)
     data["machine"] = machine()
     return data
+
+
+def compare_runs(run_dirs: list[Path]) -> dict[str, Any]:
+    """Finished run directories side by side (e.g. the float32 and bfloat16 quickstarts,
+    docs/precision.md): accuracy before/after, training time, per-step medians (time split,
+    mismatch metrics of the correction, publication cost), and their curves in one page."""
+    import json
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    rows = []
+    for d in map(Path, run_dirs):
+        recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x]
+        runs[d.name] = recs
+        train = [r for r in recs if r["kind"] == "train"]
+        evals = [r for r in recs if r["kind"] == "eval"]
+
+        def med(key: str, train=train) -> float | None:
+            values = [float(r[key]) for r in train if r.get(key) is not None]
+            return statistics.median(values) if values else None
+
+        rows.append({"run": d.name, "steps": len(train),
+                     "accuracy_before": evals[0]["eval_accuracy"] if evals else None,
+                     "accuracy_after": evals[-1]["eval_accuracy"] if evals else None,
+                     "best_accuracy": max((r["eval_accuracy"] for r in evals), default=None),
+                     "train_seconds": max((r["wall_time"] for r in recs), default=0.0),
+                     **{f"{k}_s": med(f"time_{k}") for k in ("rollout", "train")},
+                     "publish_s": med("publish_seconds"),
+                     **{k: med(f"correction_{k}") for k in (
+                         "kl", "kl_k1", "weight_mean", "weight_max", "clipped_frac", "ess")}})
+    curves = _accuracy_curves("runs", runs)
+    curves["runs: training reward vs step"] = {
+        "x": "step", "y": "mean reward",
+        "series": {n: [[r["step"], r["reward_mean"]] for r in recs if r["kind"] == "train"]
+                   for n, recs in runs.items()}}
+    return {"benchmark": "run comparison", "runs": rows, "curves": curves,
+            "machine": machine()}

@@ -16,8 +16,9 @@ a converted copy, taken at each policy publication (docs/precision.md):
 
 - `bfloat16` (or any float dtype): weights, activations and the KV cache in that dtype;
   the projections of one layer that read the same input are fused into one matrix (q/k/v,
-  gate/up), so a decode step runs 4 matrix products per layer, not 7; attention scores and
-  the softmax are computed in float32.
+  gate/up), so a decode step runs 4 matrix products per layer, not 7; bfloat16 weights on
+  the CPU are kept in oneDNN's packed layout; attention scores and the softmax are computed
+  in float32.
 - int8 weights are not offered: on this CPU the dynamic-int8 linear is fast but changes the
   policy (per-tensor activation scales), and the weight-only int8 kernel is slower than
   bfloat16 (docs/precision.md has the measurements).
@@ -102,12 +103,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Dense:
-    """A converted projection: y = x W^T (+ b) in the engine's dtype."""
+    """A converted projection: y = x W^T (+ b) in the engine's dtype. bfloat16 weights on
+    the CPU are reordered once, at conversion, into oneDNN's blocked layout (`pack`), so a
+    product does not re-pack the weight on every call; the result is the same."""
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
-        self.w, self.b = w, b
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, pack: bool = False):
+        self.w, self.b, self.packed = w, b, None
+        if pack:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+                self.w = None
+            except (RuntimeError, AttributeError):  # no oneDNN in this build: plain linear
+                self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
 
 
@@ -173,6 +184,8 @@ class Decoder:
         if self.shared:
             return 0.0
         start = time.perf_counter()
+        pack = (self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                and torch.backends.mkldnn.is_available())
         tensors = {m: m.weight.detach().to(self.device, self.dtype) for m in self._plain()}
         linears: dict[nn.Module | tuple, _Dense] = {}
         for mods in self._groups():
@@ -181,7 +194,8 @@ class Decoder:
             w = ws[0] if len(ws) == 1 else torch.cat(ws)
             b = None if bs[0] is None else torch.cat([x.detach() for x in bs])
             linears[mods if len(mods) > 1 else mods[0]] = _Dense(
-                w.to(self.device, self.dtype), None if b is None else b.to(self.device, self.dtype))
+                w.to(self.device, self.dtype), None if b is None else b.to(self.device, self.dtype),
+                pack=pack)
             self._sizes[mods] = [x.shape[0] for x in ws]
         self._tensors, self._linears = tensors, linears
         return time.perf_counter() - start
