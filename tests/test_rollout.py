@@ -276,3 +276,30 @@ def test_context_scheduling_serves_one_probe_per_group_first(model) -> None:
 def test_unknown_strategy_is_refused(model) -> None:
     with pytest.raises(ValueError, match="unknown rollout strategy 'fast'"):
         RolloutScheduler(_engine(model), _params(), strategy="fast")
+
+
+def test_coupled_reuse_keeps_seeds_and_reproduces_an_unchanged_policy(model) -> None:
+    """Rule 'coupled': each sample keeps its seed from the last epoch, so under an unchanged
+    policy every draft token is what the policy redraws: all accepted, same responses, in
+    fewer forward passes; under a changed policy the output is plain decoding with those
+    seeds (exact rule), token for token."""
+    params = _params(n=4, temperature=1.0, max_tokens=32)
+    prompts = _prompts(6)
+    sched = RolloutScheduler(_engine(model, spec_max_batch=64, spec_tokens=8), params,
+                             strategy="continuous", spec_reuse=True, reuse_rule="coupled")
+    first = sched.run(prompts)
+    second = sched.run(prompts)
+    responses = [[t.response_ids for t in g.trajectories] for g in first.groups]
+    assert [[t.response_ids for t in g.trajectories] for g in second.groups] == responses
+    assert second.info["spec_accepted"] == sum(len(r) for g in responses for r in g)
+    assert second.info["forward_passes"] < first.info["forward_passes"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    third = sched.run(prompts)
+    plain = RolloutScheduler(_engine(model), params, strategy="continuous")
+    seeds = [derive_seed(0, g * 1024 + k) for g in range(6) for k in range(4)]
+    want = [_reference(model, t.prompt_ids, params, seed)
+            for t, seed in zip([t for g in third.groups for t in g.trajectories], seeds)]
+    assert [t.response_ids for g in third.groups for t in g.trajectories] == want
+    assert plain.run(prompts).groups  # the same engine settings decode without drafts

@@ -128,9 +128,10 @@ class RolloutConfig(_Section):
         False, description="SPEC-RL: a prompt seen in an earlier epoch drafts from its "
         "previous responses; generation resumes at the first rejected token.")
     spec_tokens: int = Field(4, ge=1, description="Draft tokens verified per forward pass.")
-    reuse_rule: Literal["exact", "spec-rl"] = Field(
-        "exact", description="spec_reuse acceptance: 'exact' (speculative sampling, lossless) "
-        "or 'spec-rl' (SPEC-RL's lenient ratio rule, see lenience).")
+    reuse_rule: Literal["exact", "coupled", "spec-rl"] = Field(
+        "exact", description="spec_reuse acceptance: 'exact' (speculative sampling, lossless), "
+        "'coupled' (exact, each sample keeps its seed across epochs: lossless per step, far "
+        "more reuse) or 'spec-rl' (SPEC-RL's lenient ratio rule, see lenience).")
     lenience: float = Field(
         1.0, ge=1, description="spec-rl rule: accept a draft token when "
         "min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra acceptance).")

@@ -107,6 +107,10 @@ def tail(model: ModelOpt = "tiny", json: JsonOpt = None,
          reps: Annotated[int, typer.Option(help="Alternating repetitions.")] = 1,
          strategy: Annotated[list[str] | None, typer.Option(
              help="Strategies to run (repeatable; default all).")] = None,
+         lenience: Annotated[float, typer.Option(
+             help="spec-reuse-specrl: SPEC-RL lenience (1: none; e^0.5 = 1.65).")] = 1.0,
+         shift_steps: Annotated[int, typer.Option(
+             help="spec-reuse: optimizer steps that change the policy between epochs.")] = 4,
          threads: ThreadsOpt = 0):
     """B2: rollout strategies on a long-tailed workload: tail time, tokens/s, forwards."""
     from rollwise.bench import tail as b2
@@ -115,7 +119,8 @@ def tail(model: ModelOpt = "tiny", json: JsonOpt = None,
     configure(threads)
     data = b2.run(model, groups=groups, n=n, steps=steps, slots=slots,
                   chunk_tokens=chunk_tokens, reps=reps,
-                  strategies=tuple(strategy or b2.STRATEGIES), progress=_say)
+                  strategies=tuple(strategy or b2.STRATEGIES), lenience=lenience,
+                  shift_steps=shift_steps, progress=_say)
     print_table(f"B2 long tail: {model}, {groups} groups x {n} per step, {slots} slots",
                 data["strategies"],
                 ["strategy", "tokens_per_s", "makespan_s", "tail_time_s", "tail_vs_sync",

@@ -6,7 +6,8 @@ so response lengths are long-tailed across prompts and similar within a group); 
 gets a fresh engine (same weights, same slot count) and runs the same steps; the policy
 version is bumped after every step so staleness is measured as in training. `spec-reuse`
 is measured on a second epoch of the same prompts, after a first epoch that records the
-responses; `continuous` is measured on that second epoch too as its reference.
+responses and a few optimizer steps that change the policy as training would in between;
+`continuous` is measured on that second epoch (same changed policy) as its reference.
 """
 
 from __future__ import annotations
@@ -19,19 +20,22 @@ from rollwise.bench.common import load_workload, median
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.rollout.scheduler import RolloutScheduler
 
+SHIFT_STEPS, SHIFT_LR = 4, 2e-4  # the policy change between the epochs of spec-reuse
 STRATEGIES = ("sync", "continuous", "partial", "context", "partial+context", "spec-group",
-              "spec-reuse", "spec-reuse-specrl")
+              "spec-reuse", "spec-reuse-coupled", "spec-reuse-specrl")
 
 
 def _scheduler(policy, name: str, params: SamplingParams, slots: int, seed: int,
-               chunk: int) -> RolloutScheduler:
+               chunk: int, lenience: float = 1.0) -> RolloutScheduler:
     engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids, max_num_seqs=slots)
-    base = {"spec-group": "continuous", "spec-reuse": "continuous",
-            "spec-reuse-specrl": "continuous", "continuous-epoch2": "continuous"}.get(name, name)
+    reuse = name.startswith("spec-reuse")
+    base = "continuous" if reuse or name in ("spec-group", "continuous-epoch2") else name
     return RolloutScheduler(
         engine, params, strategy=base, chunk_tokens=chunk, seed=seed,
-        spec_group=name == "spec-group", spec_reuse=name.startswith("spec-reuse"),
-        reuse_rule="spec-rl" if name == "spec-reuse-specrl" else "exact")
+        spec_group=name == "spec-group", spec_reuse=reuse,
+        reuse_rule={"spec-reuse-coupled": "coupled", "spec-reuse-specrl": "spec-rl"}.get(
+            name, "exact"),
+        lenience=lenience)
 
 
 def _run_steps(sched: RolloutScheduler, prompts: list, steps: int, per_step: int) -> list[dict]:
@@ -52,14 +56,23 @@ def _run_steps(sched: RolloutScheduler, prompts: list, steps: int, per_step: int
 
 
 def _measure(policy, name: str, prompts: list, params: SamplingParams, steps: int,
-             per_step: int, slots: int, seed: int, chunk: int) -> dict[str, Any]:
-    sched = _scheduler(policy, name, params, slots, seed, chunk)
+             per_step: int, slots: int, seed: int, chunk: int, lenience: float = 1.0,
+             shift_steps: int = SHIFT_STEPS) -> dict[str, Any]:
+    sched = _scheduler(policy, name, params, slots, seed, chunk, lenience)
+    saved = None
     if name.startswith("spec-reuse") or name == "continuous-epoch2":
         if name == "continuous-epoch2":
             sched.spec_reuse = False
         _run_steps(sched, prompts, steps, per_step)  # epoch 1 records the responses
         sched.seed = seed + 1  # epoch 2 samples afresh
-    infos = _run_steps(sched, prompts, steps, per_step)
+        saved = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        _shift_policy(policy, prompts[: steps * per_step], seed, shift_steps)  # training
+        sched.publish(sched.version + 1)
+    try:
+        infos = _run_steps(sched, prompts, steps, per_step)
+    finally:
+        if saved is not None:
+            policy.model.load_state_dict(saved)
     gen = sum(i["generated_tokens"] for i in infos)
     span = sum(i["makespan_s"] for i in infos)
     verifies = sum(i["spec_verifies"] for i in infos)
@@ -82,6 +95,31 @@ def _measure(policy, name: str, prompts: list, params: SamplingParams, steps: in
         "length_hist": _hist(lengths, params.max_tokens)}
 
 
+def _shift_policy(policy, prompts: list, seed: int, steps: int = SHIFT_STEPS,
+                  lr: float = SHIFT_LR) -> None:
+    """Move the policy the way training would between two epochs: a few Adam steps of
+    teacher-forced cross-entropy on reference solutions of the epoch's prompts."""
+    tok = policy.tokenizer
+    rows = [(ids, tok(s.reference, add_special_tokens=False)["input_ids"] + policy.stop_ids[:1])
+            for s, ids in prompts if s.reference]
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(policy.model.parameters(), lr=lr)
+    policy.model.train()
+    for _ in range(steps):
+        pick = [rows[i] for i in torch.randint(len(rows), (16,), generator=gen).tolist()]
+        width = max(len(p) + len(r) for p, r in pick)
+        ids = torch.zeros(len(pick), width, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        for i, (p, r) in enumerate(pick):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p): len(p) + len(r)] = torch.tensor(r)
+        loss = policy.model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    policy.model.eval()
+
+
 def _hist(lengths: list[int], max_tokens: int, bins: int = 8) -> list[int]:
     width = max(1, -(-max_tokens // bins))
     out = [0] * bins
@@ -92,7 +130,8 @@ def _hist(lengths: list[int], max_tokens: int, bins: int = 8) -> list[int]:
 
 def run(model: str = "tiny", *, groups: int = 32, n: int = 8, steps: int = 3, slots: int = 64,
         max_tokens: int | None = None, chunk_tokens: int = 16, reps: int = 1, seed: int = 0,
-        strategies: tuple[str, ...] = STRATEGIES, progress=None) -> dict[str, Any]:
+        strategies: tuple[str, ...] = STRATEGIES, lenience: float = 1.0,
+        shift_steps: int = SHIFT_STEPS, progress=None) -> dict[str, Any]:
     tiny = model == "tiny"
     want = groups * steps * 3
     if tiny:
@@ -110,7 +149,7 @@ def run(model: str = "tiny", *, groups: int = 32, n: int = 8, steps: int = 3, sl
         for name in order:
             with torch.random.fork_rng():
                 row = _measure(policy, name, prompts, params, steps, groups, slots,
-                               seed + rep, chunk_tokens)
+                               seed + rep, chunk_tokens, lenience, shift_steps)
             runs[name].append(row)
             if progress:
                 progress(f"rep {rep + 1}/{reps} {name}: {row['tokens_per_s']:.0f} tok/s, "
@@ -131,7 +170,9 @@ def run(model: str = "tiny", *, groups: int = 32, n: int = 8, steps: int = 3, sl
                 r["forward_passes_per_token"] / ref["forward_passes_per_token"])
     return {"benchmark": "tail", "model": model, "groups_per_step": groups, "group_size": n,
             "steps": steps, "slots": slots, "max_tokens": max_tokens,
-            "chunk_tokens": chunk_tokens, "reps": reps, "threads": torch.get_num_threads(),
+            "chunk_tokens": chunk_tokens, "reps": reps,
+            "epoch2_policy_shift": f"{shift_steps} Adam steps of SFT at lr {SHIFT_LR}",
+            "lenience": lenience, "threads": torch.get_num_threads(),
             "strategies": rows}
 
 

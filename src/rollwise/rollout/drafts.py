@@ -14,8 +14,9 @@ class GroupNgramIndex:
     matches the end of `tokens`, for up to `k` tokens (Seer drafts from a suffix tree of
     sibling responses; an n-gram table is the same lookup at this scale)."""
 
-    def __init__(self, max_context: int = 4, min_context: int = 1):
+    def __init__(self, max_context: int = 4, min_context: int = 1, min_share: float = 0.0):
         self.max_context, self.min_context = max_context, min_context
+        self.min_share = min_share  # stop drafting where siblings disagree more than this
         self.table: dict[tuple[int, ...], Counter] = defaultdict(Counter)
         self.references = 0
 
@@ -32,7 +33,8 @@ class GroupNgramIndex:
         for m in range(min(self.max_context, len(context)), self.min_context - 1, -1):
             counts = self.table.get(tuple(context[-m:]))
             if counts:
-                return counts.most_common(1)[0][0]
+                token, count = counts.most_common(1)[0]
+                return token if count >= self.min_share * counts.total() else None
         return None
 
     def draft(self, context: list[int], k: int) -> list[int]:

@@ -11,7 +11,16 @@ seed papers' strategies, composable with speculative drafts.
                   from the longest finished sibling, in chunks of `chunk_tokens`
     partial+context   both
     spec_group    (flag) drafts from sibling responses of the same group (Seer)
-    spec_reuse    (flag) the previous response to the same prompt is the draft (SPEC-RL)
+    spec_reuse    (flag) the previous response to the same prompt is the draft (SPEC-RL),
+                  accepted by `reuse_rule`:
+                    exact     speculative sampling with fresh seeds: lossless, but a fresh
+                              draw rarely repeats a whole previous response
+                    coupled   exact rule, each sample keeps its seed from the last epoch: the
+                              draft is accepted wherever the current policy, with the same
+                              uniforms, draws the same token; every epoch's sample is still
+                              exactly the policy's (epochs are correlated, as in any reuse)
+                    spec-rl   SPEC-RL's rule: accept with prob min(1, lenience * p_new/p_old)
+                              from the stored log-probs; regenerate at the first rejection
 
 No rollout is lost or trained twice: a group is returned once, when all its samples are
 complete; an unfinished group waits in the pool with its samples' tokens intact (groups
@@ -32,6 +41,7 @@ from rollwise.rollout.drafts import GroupNgramIndex
 from rollwise.types import Group, Sample, Trajectory
 
 STRATEGIES = ("sync", "continuous", "partial", "context", "partial+context")
+REUSE_RULES = ("exact", "coupled", "spec-rl")
 EncodedPrompt = tuple[Sample, list[int]]
 
 
@@ -79,8 +89,9 @@ class RolloutScheduler:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown rollout strategy '{strategy}'; "
                              f"available: {', '.join(STRATEGIES)}")
-        if reuse_rule not in ("exact", "spec-rl"):
-            raise ValueError(f"reuse_rule must be 'exact' or 'spec-rl', got '{reuse_rule}'")
+        if reuse_rule not in REUSE_RULES:
+            raise ValueError(f"reuse_rule must be one of {', '.join(REUSE_RULES)}, "
+                             f"got '{reuse_rule}'")
         self.engine, self.params, self.decode = engine, replace(params, n=1), decode
         self.group_size = params.n
         self.strategy, self.over_provision = strategy, over_provision
@@ -91,6 +102,7 @@ class RolloutScheduler:
         self.context = "context" in strategy
         self.pool: list[_PendingGroup] = []  # unfinished (or finished, undelivered) groups
         self.previous: dict[tuple, list[Completion]] = {}  # spec_reuse: last responses
+        self.previous_seeds: dict[tuple, list[int]] = {}  # and their seeds (rule 'coupled')
         self._uid = 0
         self._by_rid: dict[int, tuple[_PendingGroup, _Slot]] = {}
         engine.static_batch = strategy == "sync"
@@ -162,6 +174,7 @@ class RolloutScheduler:
             for g in groups:
                 if g.uid in delivered:
                     self.previous[tuple(g.ids)] = [s.done for s in g.slots]
+                    self.previous_seeds[tuple(g.ids)] = [s.seed for s in g.slots]
         return StepReport(out, self._info(out, before, makespan, done_times, stale))
 
     def _new_group(self, sample: Sample, ids: list[int], n: int) -> _PendingGroup:
@@ -186,7 +199,7 @@ class RolloutScheduler:
 
     def _submit(self, g: _PendingGroup) -> None:
         if self.spec_group and g.index is None:
-            g.index = GroupNgramIndex(max_context=8, min_context=2)
+            g.index = GroupNgramIndex(max_context=8, min_context=2, min_share=0.7)
         previous = self.previous.get(tuple(g.ids)) if self.spec_reuse else None
         probe = True
         for k, s in enumerate(g.slots):
@@ -195,6 +208,8 @@ class RolloutScheduler:
             options: dict[str, Any] = {}
             if previous is not None and s.partial is None and k < len(previous):
                 options["draft"] = previous[k].token_ids
+                if self.reuse_rule == "coupled":  # same uniforms: the draft is what the
+                    s.seed = self.previous_seeds[tuple(g.ids)][k]  # policy would redraw
                 if self.reuse_rule == "spec-rl":
                     options.update(draft_logprobs=previous[k].logprobs, lenience=self.lenience)
             if self.context:
@@ -297,8 +312,8 @@ class RolloutScheduler:
             {"uid": g.uid, "sample": asdict(g.sample), "ids": g.ids, "estimate": g.estimate,
              "measured": g.measured, "age": g.age, "slots": [slot(s) for s in g.slots]}
             for g in self.pool],
-            "previous": [[list(k), [[c.token_ids, c.logprobs] for c in v]]
-                         for k, v in self.previous.items()]}
+            "previous": [[list(k), [[c.token_ids, c.logprobs] for c in v],
+                          self.previous_seeds.get(k, [])] for k, v in self.previous.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._uid = state["uid"]
@@ -313,4 +328,5 @@ class RolloutScheduler:
             self.pool.append(_PendingGroup(g["uid"], Sample(**g["sample"]), g["ids"], slots,
                                            g["estimate"], g["measured"], g["age"]))
         self.previous = {tuple(k): [Completion(0, t, lp, "stop") for t, lp in v]
-                         for k, v in state["previous"]}
+                         for k, v, _ in state["previous"]}
+        self.previous_seeds = {tuple(k): seeds for k, _, seeds in state["previous"]}
