@@ -66,6 +66,8 @@ class NativeEngine:
         self.kv_budget_tokens, self.max_num_seqs = kv_budget_tokens, max_num_seqs
         self.share_prefix, self.static_batch, self.version = share_prefix, static_batch, version
         self.drafter, self.spec_tokens, self.spec_max_batch = drafter, spec_tokens, spec_max_batch
+        self.verify_window = 16  # draft tokens one verification pass feeds per row (a long
+        # reused draft is verified in windows: a rejection early wastes at most this much)
         if eos_token_ids is None:
             eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
             eos = eos if eos is not None else d.cfg.eos_token_id
@@ -245,9 +247,11 @@ class NativeEngine:
     def _verify(self, reqs: list[Request], rows: list[int], emitted: dict[int, int]) -> None:
         """One pass over each row's pending tokens plus its draft; emit what is accepted."""
         start = time.perf_counter()
-        chunks = [r.tokens[r.cached:] + r.draft for r in reqs]
-        self.cache.ensure_rows(len(self._rows), max(r.cached + len(c)
-                                                    for r, c in zip(reqs, chunks)))
+        w = self.verify_window
+        chunks = [r.tokens[r.cached:] + r.draft[:w] for r in reqs]
+        # padded positions of short chunks are written too: room for the widest chunk
+        self.cache.ensure_rows(len(self._rows), max(r.cached for r in reqs)
+                               + max(map(len, chunks)))
         plan = self.decoder.plan(rows, chunks, [r.cached for r in reqs],
                                  [r.group.slot for r in reqs], [len(r.group.tokens) for r in reqs])
         hidden = self.decoder.forward_rows(self.cache, plan)
@@ -257,8 +261,8 @@ class NativeEngine:
         picks, spans = [], []
         for b, r in enumerate(reqs):
             first = len(r.tokens) - r.cached - 1
-            spans.append((len(picks), len(r.draft) + 1))
-            picks += [(b, first + k) for k in range(len(r.draft) + 1)]
+            spans.append((len(picks), len(r.draft[:w]) + 1))
+            picks += [(b, first + k) for k in range(len(r.draft[:w]) + 1)]
             self.stats.recompute_tokens += first
         ix = torch.tensor(picks, device=hidden.device)
         logits = self.decoder.logits(hidden[ix[:, 0], ix[:, 1]])
