@@ -261,3 +261,22 @@ def test_bench_report_tables_and_charts(tmp_path):
     assert page.count("<img") == 2  # tokens_per_s and makespan_s; "notes" has no name column
     custom = write_bench_report(path, tmp_path / "sub" / "b.html")
     assert custom.exists()
+
+
+def test_report_plots_off_policy_metrics_of_partial_runs(tmp_path):
+    run = tmp_path / "partial"
+    run.mkdir()
+    w = MetricsWriter(run)
+    for r in _metrics():
+        w.write(r | ({"offpolicy_token_frac": 0.1 * r["step"], "staleness_mean": 0.5,
+                      "correction_ess": 0.9} if r["kind"] == "train" else {}))
+    w.close()
+    page = write_report(run).read_text()
+    assert page.count("<img") == 6 and "off-policy tokens" in page
+    on_policy = tmp_path / "on-policy"
+    on_policy.mkdir()
+    w = MetricsWriter(on_policy)
+    for r in _metrics():
+        w.write(r | ({"offpolicy_token_frac": 0.0} if r["kind"] == "train" else {}))
+    w.close()
+    assert "off-policy tokens" not in write_report(on_policy).read_text()  # nothing to show

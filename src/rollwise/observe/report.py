@@ -146,6 +146,7 @@ def run_figures(
         )
     candidates.append(_length_figure(run_dir, train))
     candidates.append(_time_figure(train))
+    candidates.append(_offpolicy_figure(train))
     candidates.extend(_eval_figures(evals))
     return [(caption, png) for caption, png in candidates if png is not None]
 
@@ -189,6 +190,23 @@ def _time_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
         if any(number(r, k) is not None for r in rows)
     }
     return "time split per step", plots.stacked_bars(xs, parts, "step", "seconds", "time per step")
+
+
+def _offpolicy_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Partial rollouts and corrections: off-policy token share, staleness, IS weights."""
+    keys = {"off-policy token fraction": "offpolicy_token_frac",
+            "staleness (mean versions)": "staleness_mean",
+            "correction ESS": "correction_ess", "correction clipped frac": "correction_clipped_frac",
+            "spec accepted len / 10": "spec_accepted_len"}
+    series = {}
+    for label, key in keys.items():
+        pts = _points(train, "step", key)
+        if pts:
+            series[label] = [(x, y / 10) for x, y in pts] if key == "spec_accepted_len" else pts
+    if not series or not any(y for pts in series.values() for _, y in pts):
+        return "off-policy tokens and their correction", None
+    return ("off-policy tokens (partial rollouts) and their correction",
+            plots.line_plot(series, "step", "value", "off-policy tokens and correction"))
 
 
 def _pass_at_k_series(evals: list[dict[str, Any]], x_key: str) -> plots.Series:
