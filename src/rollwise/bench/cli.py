@@ -213,3 +213,21 @@ def compare(runs: Annotated[list[Path], typer.Argument(help="Finished run direct
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")
+
+
+@bench_app.command("learner")
+def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
+            reps: Annotated[int, typer.Option(help="Alternating repetitions.")] = 3,
+            threads: ThreadsOpt = 0):
+    """One learner update on a fixed batch: float32 vs bfloat16 autocast (+ TIS)."""
+    from rollwise.bench import learner as bl
+    from rollwise.runtime import configure
+
+    configure(threads)
+    data = bl.run(model, reps=reps, progress=_say)
+    print_table(f"learner update: {model}, {data['rows']} rows, {data['tokens']} tokens, "
+                f"{data['threads']} threads", data["variants"],
+                ["variant", "update_s", "min_s", "max_s", "speedup_vs_float32"])
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")

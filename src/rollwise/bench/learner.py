@@ -1,0 +1,80 @@
+"""The learner's update time by precision, on one fixed batch (docs/precision.md).
+
+A batch of real rollouts (the quickstart's shape: 4 prompts x 8 samples, temperature 0.7, at
+most 64 tokens, sampled once by the float32 engine) with non-zero advantages on every row, so
+each variant trains the same rows and tokens. Variants alternate within each repetition (the
+first rotates); each update gets a fresh optimizer over the same model, so the weights move by
+one small step per update and the timings compare like with like:
+
+- `float32`: float32 compute, no correction;
+- `bf16-autocast`: bfloat16 autocast, no correction;
+- `bf16-autocast+tis`: the same plus token TIS (one more forward pass without gradient to
+  recompute the old log-probs), what `configs/quickstart_bf16.toml` runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rollwise.bench.common import load_workload, median
+
+VARIANTS: dict[str, tuple[str, str]] = {  # name: (learner precision, correction)
+    "float32": ("float32", "none"),
+    "bf16-autocast": ("bf16-autocast", "none"),
+    "bf16-autocast+tis": ("bf16-autocast", "tis"),
+}
+
+
+def _batch(policy, prompts: list[list[int]], n: int, max_tokens: int, seed: int):
+    from rollwise.engine import NativeEngine, SamplingParams
+    from rollwise.learner.batch import collate
+    from rollwise.types import Sample, Trajectory
+
+    engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids)
+    outs = engine.generate(prompts, SamplingParams(n=n, temperature=0.7, max_tokens=max_tokens,
+                                                   seed=seed))
+    trajs = [Trajectory(sample=Sample(id=str(i), prompt="", answer=""),
+                        prompt_ids=list(prompts[c.prompt_index]), response_ids=c.token_ids,
+                        logprobs=c.logprobs, versions=c.versions, finish_reason=c.finish_reason)
+             for i, c in enumerate(outs)]
+    gen = torch.Generator().manual_seed(seed)
+    adv = torch.randn(len(trajs), generator=gen)  # every row non-zero: all rows train
+    return collate(trajs, adv, torch.arange(len(trajs)) // n,
+                   pad_id=policy.tokenizer.pad_token_id)
+
+
+def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens: int = 64,
+        reps: int = 3, variants: tuple[str, ...] = tuple(VARIANTS), seed: int = 0,
+        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from rollwise.algos import corrections, policy_losses
+    from rollwise.learner import Learner
+
+    policy, ids = load_workload(model, prompts, seed)
+    batch = _batch(policy, ids, n, max_tokens, seed)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for rep in range(reps):
+        order = list(variants[rep % len(variants):] + variants[: rep % len(variants)])
+        for v in order:
+            precision, correction = VARIANTS[v]
+            learner = Learner(policy.model, loss_fn=policy_losses["ppo"],
+                              loss_options={"aggregation": "token-mean"}, lr=1e-5,
+                              precision=precision, skip_zero_advantage=False,
+                              correction_fn=None if correction == "none" else corrections[
+                                  correction], correction_options={"cap": 2.0})
+            start = time.perf_counter()
+            learner.update(batch)
+            times[v].append(time.perf_counter() - start)
+            del learner
+            if progress:
+                progress(f"rep {rep + 1}/{reps} {v}: {times[v][-1]:.2f}s")
+    base = median(times[variants[0]])
+    rows = [{"variant": v, "update_s": median(t), "min_s": min(t), "max_s": max(t),
+             f"speedup_vs_{variants[0]}": base / median(t)} for v, t in times.items()]
+    return {"benchmark": "learner precision", "model": model, "rows": batch.num_rows,
+            "tokens": int(batch.attention_mask.sum()),
+            "response_tokens": int(batch.loss_mask.sum()), "reps": reps,
+            "threads": torch.get_num_threads(), "variants": rows, "per_rep": times}
