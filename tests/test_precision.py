@@ -226,3 +226,29 @@ def test_compare_runs_reports_mismatch_and_publication(tmp_path) -> None:
     assert fp32["publish_s"] < bf16["publish_s"] and fp32["kl"] is None
     assert set(data["curves"]["runs: training reward vs step"]["series"]) == {
         "float32", "bfloat16"}
+
+
+def test_eval_of_a_bf16_run_reads_its_trained_weights(tmp_path) -> None:
+    """`rollwise eval RUN_DIR` loads the checkpoint into the float32 master copy and must
+    publish it to the bfloat16 engine: it reproduces the run's final evaluation."""
+    from typer.testing import CliRunner
+
+    from rollwise.build import build
+    from rollwise.cli import app
+    from rollwise.config import load_config, to_toml
+    from rollwise.loop import train
+    from rollwise.rundir import Run
+
+    cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "run.name='b'", "run.threads=1",
+                               "eval.every=0", "rollout.prompts_per_step=16", "learner.lr=1e-2",
+                               "task.num_eval=40", "rollout.dtype='bfloat16'"])
+    run = Run(tmp_path / "b", resume=False, config_toml=to_toml(cfg), echo=lambda s: None)
+    summary = train(build(cfg), run, 3)
+    before, after = summary["eval_before"], summary["eval_after"]
+    assert (before["accuracy"], before["mean_response_len"]) != (
+        after["accuracy"], after["mean_response_len"])  # the update changed greedy outputs
+    out = CliRunner().invoke(app, ["eval", str(tmp_path / "b"), "--set", "run.threads=1"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output[out.output.index("{"):])
+    assert result["accuracy"] == after["accuracy"]
+    assert result["mean_response_len"] == after["mean_response_len"]

@@ -111,6 +111,7 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
         if not found:
             _fail(f"{target} has no checkpoint to evaluate")
         load_checkpoint(found[-1], stages.model)
+        stages.engine.publish(stages.engine.version)  # a converted (rollout.dtype) copy
         console.print(f"evaluating {found[-1]}")
     result = stages.evaluate()
     console.print_json(json.dumps(result))
