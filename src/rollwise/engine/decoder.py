@@ -192,7 +192,9 @@ class Decoder:
             ws = [_effective_weight(m) for m in mods]
             bs = [getattr(m, "bias", None) for m in mods]
             w = ws[0] if len(ws) == 1 else torch.cat(ws)
-            b = None if bs[0] is None else torch.cat([x.detach() for x in bs])
+            b = None if all(x is None for x in bs) else torch.cat([
+                x.detach() if x is not None else w_.new_zeros(w_.shape[0])
+                for x, w_ in zip(bs, ws)])
             linears[mods if len(mods) > 1 else mods[0]] = _Dense(
                 w.to(self.device, self.dtype), None if b is None else b.to(self.device, self.dtype),
                 pack=pack)
