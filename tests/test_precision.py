@@ -284,3 +284,26 @@ def test_converted_path_covers_biases_qk_norms_and_lora(kind, tiny_llama) -> Non
     assert len(pairs) >= len(outs["float32"]) // 2  # same seeds: mostly the same draws
     diff = torch.tensor([x - y for c, d in pairs for x, y in zip(c.logprobs, d.logprobs)])
     assert 0 < float(diff.abs().mean()) < 0.05  # bfloat16 rounding, not another function
+
+
+def test_bench_e2e_precision_axis_and_learner_bench(tmp_path) -> None:
+    """`rollwise bench e2e --precision` steps float32 against bfloat16 + TIS (the latter
+    logs its mismatch); `rollwise bench learner` times each precision on one batch."""
+    from typer.testing import CliRunner
+
+    from rollwise.bench import learner as bench_learner
+    from rollwise.cli import app
+
+    out = tmp_path / "b3.json"
+    small = ["task.num_train=48", "task.num_eval=8", "rollout.prompts_per_step=4",
+             "rollout.group_size=4", "run.threads=1"]
+    result = CliRunner().invoke(app, ["bench", "e2e", str(CONFIG), "--precision", "--part",
+                                      "steps", "--steps", "2", "--warmup", "0", "--json",
+                                      str(out), *[x for s in small for x in ("--set", s)]])
+    assert result.exit_code == 0, result.output
+    split = json.loads(out.read_text())["step_split"][0]
+    assert [r["variant"] for r in split["variants"]] == ["float32", "bfloat16"]
+    assert set(split["ratios"]) == {"float32_over_bfloat16"}
+    data = bench_learner.run("tiny", prompts=2, n=4, max_tokens=8, reps=1)
+    assert [r["variant"] for r in data["variants"]] == list(bench_learner.VARIANTS)
+    assert data["rows"] == 8 and all(r["update_s"] > 0 for r in data["variants"])
