@@ -307,3 +307,18 @@ def test_bench_e2e_precision_axis_and_learner_bench(tmp_path) -> None:
     data = bench_learner.run("tiny", prompts=2, n=4, max_tokens=8, reps=1)
     assert [r["variant"] for r in data["variants"]] == list(bench_learner.VARIANTS)
     assert data["rows"] == 8 and all(r["update_s"] > 0 for r in data["variants"])
+
+
+def test_packed_bf16_weights_give_the_plain_product() -> None:
+    """oneDNN's packed layout (taken once at publication) is a layout, not an approximation."""
+    from rollwise.engine.decoder import _Dense
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 40, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16)
+    packed, plain = _Dense(w, b, pack=True), _Dense(w, b)
+    if packed.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    for shape in [(64, 1, 40), (3, 7, 40), (1, 40)]:
+        x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+        assert torch.equal(packed(x), plain(x))
