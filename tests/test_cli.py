@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 ENV = {**os.environ, "ROLLWISE_NO_PROGRESS": "1", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-QUICK = ["--set", "run.num_steps=3", "--set", "rollout.prompts_per_step=4",
+QUICK = ["--set", "run.num_steps=3", "--set", "rollout.prompts_per_step=4", "--set", "run.threads=1",
          "--set", "task.num_eval=20", "--set", "eval.every=0"]
 
 
