@@ -9,7 +9,7 @@ one small step per update and the timings compare like with like:
 - `float32`: float32 compute, no correction;
 - `bf16-autocast`: bfloat16 autocast, no correction;
 - `bf16-autocast+tis`: the same plus token TIS (one more forward pass without gradient to
-  recompute the old log-probs), what `configs/quickstart_bf16.toml` runs.
+  recompute the old log-probs), what `configs/quickstart.toml` runs.
 """
 
 from __future__ import annotations
