@@ -18,6 +18,7 @@ import torch
 
 from rollwise.bench.common import load_workload, median
 from rollwise.engine import NativeEngine, SamplingParams
+from rollwise.models.tiny import teacher_forced_batch
 from rollwise.rollout.scheduler import RolloutScheduler
 
 SHIFT_STEPS, SHIFT_LR = 4, 2e-4  # the policy change between the epochs of spec-reuse
@@ -106,13 +107,8 @@ def _shift_policy(policy, prompts: list, seed: int, steps: int = SHIFT_STEPS,
     opt = torch.optim.Adam(policy.model.parameters(), lr=lr)
     policy.model.train()
     for _ in range(steps):
-        pick = [rows[i] for i in torch.randint(len(rows), (16,), generator=gen).tolist()]
-        width = max(len(p) + len(r) for p, r in pick)
-        ids = torch.zeros(len(pick), width, dtype=torch.long)
-        labels = torch.full_like(ids, -100)
-        for i, (p, r) in enumerate(pick):
-            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p): len(p) + len(r)] = torch.tensor(r)
+        ids, labels = teacher_forced_batch(
+            [rows[i] for i in torch.randint(len(rows), (16,), generator=gen).tolist()])
         loss = policy.model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()

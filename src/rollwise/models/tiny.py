@@ -68,6 +68,19 @@ def warm_start_key(settings: dict, examples: list[tuple[str, str]]) -> str:
     return h.hexdigest()[:16]
 
 
+def teacher_forced_batch(rows: list[tuple[list[int], list[int]]]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, labels) of (prompt ids, response ids) rows, right-padded with 0; labels
+    are the response tokens, -100 elsewhere."""
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p): len(p) + len(r)] = torch.tensor(r)
+    return ids, labels
+
+
 def _sft(model, tokenizer, examples, steps: int, lr: float, batch: int, seed: int) -> None:
     """Teacher-forced cross-entropy on the reference response tokens only."""
     rng = random.Random(seed)
@@ -80,13 +93,8 @@ def _sft(model, tokenizer, examples, steps: int, lr: float, batch: int, seed: in
         encoded.append((p, r))
     model.train()
     for _ in range(steps):
-        rows = [encoded[rng.randrange(len(encoded))] for _ in range(batch)]
-        width = max(len(p) + len(r) for p, r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        labels = torch.full_like(ids, -100)
-        for i, (p, r) in enumerate(rows):
-            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p): len(p) + len(r)] = torch.tensor(r)
+        ids, labels = teacher_forced_batch(
+            [encoded[rng.randrange(len(encoded))] for _ in range(batch)])
         loss = model(input_ids=ids, attention_mask=(ids != 0).long() | (labels != -100).long(),
                      labels=labels).loss
         opt.zero_grad()
