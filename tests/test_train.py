@@ -112,6 +112,44 @@ def test_ctrl_c_checkpoints_last_completed_step(tmp_path):
     assert out["steps"] == 4 and out["rollouts"] == 4 * 4 * 8
 
 
+def _train_rewards(path: Path) -> list[float]:
+    return [r["reward_mean"] for r in map(json.loads, (path / "metrics.jsonl").read_text()
+                                          .splitlines()) if r["kind"] == "train"]
+
+
+def test_ctrl_c_during_rollout_then_resume_equals_the_uninterrupted_run(tmp_path):
+    """Regression: the Ctrl-C checkpoint was written after the interrupted step had drawn
+    its prompts and advanced the RNG, so the resumed run skipped a batch."""
+    straight = small(tmp_path, "run.name='straight'")
+    stages = build(straight)
+    train(stages, Run(run_dir(straight), resume=False, echo=lambda s: None), 4,
+          eval_before=False)
+    expected = params(stages.model)
+
+    cut = small(tmp_path, "run.name='cut'")
+    first = build(cut)
+    real_rollout, calls = first.rollout, []
+
+    def interrupting_rollout(requests):  # step 3 has drawn its prompts: now Ctrl-C
+        calls.append(1)
+        if len(calls) == 3:
+            torch.rand(7)  # ... and the RNG has moved on
+            raise KeyboardInterrupt
+        return real_rollout(requests)
+
+    first.rollout = interrupting_rollout
+    with pytest.raises(KeyboardInterrupt):
+        train(first, Run(run_dir(cut), resume=False, echo=lambda s: None), 4, eval_before=False)
+    assert [p.name for p in list_checkpoints(run_dir(cut) / "checkpoints")] == ["step_2"]
+    second = build(cut)
+    train(second, Run(run_dir(cut), resume=True, echo=lambda s: None), 4, eval_before=False)
+    assert _train_rewards(run_dir(cut)) == _train_rewards(run_dir(straight))
+    got = params(second.model)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=0, atol=1e-6, msg=n)
+    assert TrajectoryStore(run_dir(cut) / "trajectories.sqlite").count() == 4 * 4 * 8
+
+
 def test_nan_loss_skips_the_update_and_is_counted(tmp_path):
     cfg = small(tmp_path, "run.num_steps=3")
     stages = build(cfg)

@@ -214,15 +214,20 @@ def build_policy(cfg: Config, task: Task) -> Policy:
 
 
 def build(cfg: Config) -> Stages:
+    from rollwise.preflight import check_config
+
+    check_config(cfg)  # names and devices, before the model loads
     configure_runtime(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
     chat = cfg.model.name != "tiny"
     t = cfg.task
     task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
                      chat=chat, path=t.path, **t.options)
+    _check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
     policy = build_policy(cfg, task)
     r, e, a, lc = cfg.rollout, cfg.eval, cfg.algorithm, cfg.learner
     train_prompts, skipped = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
+    _check_enough_prompts(len(train_prompts), skipped, r.prompts_per_step)
     eval_max = e.max_tokens or r.max_tokens
     eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
@@ -272,6 +277,15 @@ def build(cfg: Config) -> Stages:
               "parameters": sum(p.numel() for p in policy.model.parameters()),
               "trainable_parameters": sum(p.numel() for p in learner.params)},
     )
+
+
+def _check_enough_prompts(usable: int, skipped: int, per_step: int) -> None:
+    """A train set smaller than one step would repeat prompts within a step unnoticed."""
+    if usable < per_step:
+        from rollwise.config import ConfigError
+
+        raise ConfigError(f"{usable} usable training prompts ({skipped} too long) is less "
+                          f"than one step (rollout.prompts_per_step = {per_step})")
 
 
 def _group_terms(cfg: Config) -> list[GroupTerm]:

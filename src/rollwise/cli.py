@@ -27,70 +27,169 @@ def _bench_app() -> typer.Typer:
 app.add_typer(_bench_app(), name="bench")
 
 
-def _run_dir(cfg: Config) -> Path:
-    """runs/<name>; an existing one is kept and a numbered sibling used (or replaced if
-    run.overwrite is true)."""
-    root = Path(cfg.run.output_dir) / cfg.run.name
-    if root.exists() and cfg.run.overwrite:
-        shutil.rmtree(root)
-    n = 2
-    base = root
-    while root.exists():
-        root = base.with_name(f"{base.name}-{n}")
-        n += 1
-    return root
+def _claim_run_dir(cfg: Config):
+    """(runs/<name>, its lock): an existing run is kept and a numbered sibling created, or,
+    with run.overwrite, emptied (refused while another process holds it). Called only once
+    the config has passed every check and the model has loaded."""
+    from rollwise.runlock import RunLock
+
+    base = Path(cfg.run.output_dir) / cfg.run.name
+    if cfg.run.overwrite and base.is_dir():
+        lock = RunLock(base)
+        for child in base.iterdir():
+            if child.name != ".lock":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        return base, lock
+    root, n = base, 2
+    while True:  # mkdir is the atomic claim: two runs of one name get two directories
+        try:
+            root.mkdir(parents=True)
+            return root, RunLock(root)
+        except FileExistsError:
+            root, n = base.with_name(f"{base.name}-{n}"), n + 1
 
 
 def _fail(message: str, code: int = 2):
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def os_error_message(e: OSError, root: Path | None = None) -> str:
+    """One line for an operating-system failure: what failed, on which file, what to do."""
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    resume = f"; then continue with --resume {root}" if root is not None else ""
+    if e.errno == errno.ENOSPC:
+        return (f"disk full{where}: the last complete checkpoint is kept; free some space"
+                f"{resume}")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied{where}: choose a run.output_dir you can write to"
+    if e.errno == errno.EROFS:
+        return f"read-only file system{where}: choose another run.output_dir"
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):
+        return f"a file is in the way{where}: run.output_dir must be a folder"
+    return f"{e.strerror or type(e).__name__}{where}{resume}"
+
+
+FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.checkpoint_every",
+                  "run.checkpoint_minutes", "run.keep_checkpoints", "run.loggers", "run.device",
+                  "eval.", "health.")
+
+
+def config_changes(old: Config, new: Config) -> dict[str, tuple]:
+    """{dotted key: (old, new)} of the values that differ."""
+    from rollwise.config import _flatten
+
+    a, b = _flatten(old.model_dump()), _flatten(new.model_dump())
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not isinstance(a.get(k, b.get(k)), dict)}
+
+
+def _resume_config(resume: Path, config: Path | None, set_: list[str],
+                   allow_changes: bool) -> tuple[Config, dict]:
+    """The config a resumed run continues with, and what changed from the stored one.
+    Changes to what the finished steps used (model, task, algorithm, ...) are refused
+    unless `allow_changes`: the resumed run would silently be a different experiment."""
+    if not (resume / "config.toml").is_file():
+        _fail(f"--resume {resume}: not a run directory (no config.toml)")
+    stored = load_config(resume / "config.toml")
+    cfg = load_config(config or resume / "config.toml", set_)
+    changes = config_changes(stored, cfg)
+    binding = [k for k in changes if not k.startswith(FREE_TO_CHANGE)]
+    if binding and not allow_changes:
+        shown = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in binding[:5])
+        _fail(f"--resume {resume}: these changes alter what the finished steps used: {shown}; "
+              "add --allow-changes to continue anyway (the change is recorded in summary.json)")
+    return cfg, changes
 
 
 @app.command()
 def train(config: Annotated[Path | None, typer.Argument(help="TOML config file.")] = None,
           set_: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None,
-          resume: Annotated[Path | None, typer.Option(help="Continue this run directory.")] = None):
+          resume: Annotated[Path | None, typer.Option(help="Continue this run directory.")] = None,
+          allow_changes: Annotated[bool, typer.Option(
+              "--allow-changes", help="With --resume: accept --set values that change what "
+              "the finished steps used (recorded in summary.json).")] = False):
     """Train a policy with GRPO on a task; writes a run directory with metrics and report."""
-    from rollwise.build import build
-    from rollwise.loop import train as train_loop
-    from rollwise.rundir import Run
+    from rollwise.health import RunUnhealthy
+    from rollwise.runlock import RunLockedError
 
+    root = None
     try:
-        if resume is not None:
-            if not (resume / "config.toml").is_file():
-                _fail(f"--resume {resume}: not a run directory (no config.toml)")
-            cfg = load_config(config or resume / "config.toml", set_ or [])
-            root = resume
-        else:
-            if config is None:
-                _fail("give a config file, e.g. rollwise train configs/tiny_arith.toml")
-            cfg = load_config(config, set_ or [])
-            root = _run_dir(cfg)
-        console.print(f"[bold]rollwise[/] {cfg.run.name}: model {cfg.model.name}, task "
-                      f"{cfg.task.name}, {cfg.run.num_steps} steps -> {root}", highlight=False)
-        stages = build(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+        try:
+            cfg, root, opened = _open_run(config, set_ or [], resume, allow_changes)
+        except (ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:
+            _fail(str(e))
+        summary = _train(cfg, opened)
+    except RunLockedError as e:
         _fail(str(e))
-    run = Run(root, resume=resume is not None, config_toml=to_toml(cfg),
-              keep_checkpoints=cfg.run.keep_checkpoints,
-              echo=lambda s: console.print(s, highlight=False, soft_wrap=True))
+    except RunUnhealthy as e:
+        _fail(f"{e} (run: {root})", code=3)
+    except OSError as e:
+        _fail(os_error_message(e, root), code=1)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    before = summary.get("eval_before", {}).get("accuracy")
+    after = summary["eval_after"]["accuracy"]
+    change = f"{before:.1%} -> {after:.1%}" if before is not None else f"{after:.1%}"
+    problems = summary.get("health_problem_steps", 0)
+    warn = f" | WARNING: {problems} steps learned nothing (see the step lines)" if problems else ""
+    console.print(f"[bold green]done[/]: held-out greedy accuracy {change} in "
+                  f"{summary['train_seconds']:.0f}s of training ({summary['steps']} steps) | "
+                  f"run: {root} | report: {summary['report']}{warn}", highlight=False)
+
+
+def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_changes: bool):
+    """Validate, build the stages (the model loads), then claim and open the run directory;
+    (cfg, root, (stages, Run)). Nothing on disk changes before the config has passed."""
+    from rollwise.build import build
+    from rollwise.health import HealthCheck
+    from rollwise.observe.loggers import check_loggers, make_loggers
+    from rollwise.preflight import check_config
+    from rollwise.rundir import Run
+    from rollwise.runlock import RunLock
+
+    changes: dict = {}
+    if resume is not None:
+        cfg, changes = _resume_config(resume, config, set_, allow_changes)
+        root = resume
+    else:
+        if config is None:
+            _fail("give a config file, e.g. rollwise train configs/tiny_arith.toml")
+        cfg = load_config(config, set_)
+        root = Path(cfg.run.output_dir) / cfg.run.name
+    check_config(cfg)
+    check_loggers(cfg.run.loggers)  # a missing extra is named before the model loads
+    lock = RunLock(root) if resume is not None else None  # refuse a live run before loading
+    console.print(f"[bold]rollwise[/] {cfg.run.name}: model {cfg.model.name}, task "
+                  f"{cfg.task.name}, {cfg.run.num_steps} steps -> "
+                  f"{root if resume is not None else Path(cfg.run.output_dir)}", highlight=False)
+    stages = build(cfg)
+    if lock is None:
+        root, lock = _claim_run_dir(cfg)
+    loggers = make_loggers(cfg.run.loggers, root, cfg.run.name, cfg.model_dump(),
+                           echo=lambda s: console.print(s, style="yellow", highlight=False))
+    echo = lambda s: console.print(s, highlight=False, soft_wrap=True)
+    run = Run(root, resume=resume is not None, config_toml=to_toml(cfg), lock=lock, echo=echo,
+              keep_checkpoints=cfg.run.keep_checkpoints, loggers=loggers,
+              health=HealthCheck(cfg.health.patience, cfg.health.max_loss, cfg.health.max_kl))
     run.summary.update({"model": cfg.model.name, "task": cfg.task.name, **stages.info})
+    run.config_changes = {k: list(v) for k, v in changes.items()}
     skipped = stages.info["skipped_train_prompts"] + stages.info["skipped_eval_prompts"]
     if skipped:
         console.print(f"skipped {skipped} prompts longer than the context "
                       f"budget (counted in summary.json)", style="yellow")
-    try:
-        summary = train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
-                             eval_before=cfg.eval.before,
-                             checkpoint_every=cfg.run.checkpoint_every)
-    except KeyboardInterrupt:
-        raise typer.Exit(130)
-    before = summary.get("eval_before", {}).get("accuracy")
-    after = summary["eval_after"]["accuracy"]
-    change = f"{before:.1%} -> {after:.1%}" if before is not None else f"{after:.1%}"
-    console.print(f"[bold green]done[/]: held-out greedy accuracy {change} in "
-                  f"{summary['train_seconds']:.0f}s of training ({summary['steps']} steps) | "
-                  f"run: {root} | report: {summary['report']}", highlight=False)
+    return cfg, root, (stages, run)
+
+
+def _train(cfg: Config, opened) -> dict:
+    from rollwise.loop import train as train_loop
+
+    stages, run = opened
+    return train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
+                      eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
+                      checkpoint_seconds=cfg.run.checkpoint_minutes * 60)
 
 
 @app.command("eval")

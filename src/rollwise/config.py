@@ -10,11 +10,12 @@ Components never receive this tree: `build.py` unpacks it into plain arguments.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class _Section(BaseModel):
@@ -27,14 +28,34 @@ class RunConfig(_Section):
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     num_steps: int = Field(20, ge=0, description="Training steps (one rollout batch each).")
     checkpoint_every: int = Field(
-        0, ge=0, description="Save a checkpoint every N steps (0: only at the end / on Ctrl-C)."
+        50, ge=0, description="Save a checkpoint every N steps, or every checkpoint_minutes, "
+        "whichever comes first (0: by time only); always at the end and on Ctrl-C."
+    )
+    checkpoint_minutes: float = Field(
+        5.0, ge=0, description="Save a checkpoint when this many minutes have passed since the "
+        "last one (0: by step count only)."
     )
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=lambda: ["jsonl"], description="Where metrics go besides the terminal: "
+        "jsonl (metrics.jsonl, always written), tensorboard, wandb (offline), mlflow (local "
+        "files), trackio (local); each but jsonl is an optional extra (docs/metrics.md)."
+    )
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1'.")
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: all cores).")
     overwrite: bool = Field(
         False, description="Replace an existing run directory of the same name (else -2, -3..)."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, name: str) -> str:
+        """The run directory stays inside output_dir: `../x` or `/tmp/x` would escape it."""
+        seps = {"/", os.sep, os.altsep or "/", "\0"}
+        if name in ("", ".", "..") or any(c in name for c in seps):
+            raise ValueError("must be a single folder name (no path separator, not '..'): "
+                             "the run directory is <output_dir>/<name>")
+        return name
 
 
 class TinyConfig(_Section):
@@ -184,7 +205,7 @@ class AlgorithmConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate (at most 1).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
@@ -211,8 +232,10 @@ class LearnerConfig(_Section):
 class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="Evaluate every N steps (0: before and after only).")
     before: bool = Field(True, description="Evaluate before training.")
-    max_tokens: int | None = Field(None, description="Response budget (default: rollout's).")
-    num_prompts: int | None = Field(None, description="Evaluate on the first N held-out prompts.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Response budget (default: rollout's).")
+    num_prompts: int | None = Field(
+        None, ge=1, description="Evaluate on the first N held-out prompts (default: all).")
     pass_k: int = Field(0, ge=0, description="Also report unbiased pass@k (0: off).")
     pass_samples: int = Field(8, ge=1, description="Samples per prompt for pass@k (n >= k).")
     batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
@@ -269,6 +292,17 @@ class ControlConfig(_Section):
     gdro_max_n: int = Field(32, ge=1, description="gdro: most rollouts per prompt.")
 
 
+class HealthConfig(_Section):
+    """When a run cannot learn anything, say so in the step line and stop it."""
+
+    patience: int = Field(
+        5, ge=0, description="Stop after this many consecutive steps with a problem (every "
+        "reward call failing, the update skipped or without signal, loss or KL beyond the "
+        "limits); 0: only warn.")
+    max_loss: float = Field(1e3, gt=0, description="|loss| above this counts as diverging.")
+    max_kl: float = Field(10.0, gt=0, description="KL above this counts as diverging.")
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -278,6 +312,7 @@ class Config(_Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
 
 class ConfigError(ValueError):

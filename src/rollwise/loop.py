@@ -5,7 +5,8 @@
         (the allocator sees each round's scores and may ask for another round: docs/allocation.md)
         (while the filter leaves fewer groups than a batch, select and roll out more: at
         most `stages.refill_rounds` times; DAPO's dynamic sampling)
-    evaluate before and after (and every N steps); checkpoint every N steps and on Ctrl-C.
+    evaluate before and after (and every N steps); checkpoint every N steps or minutes, at
+    the end, and on Ctrl-C (always the state after the last completed step).
 """
 
 from __future__ import annotations
@@ -15,24 +16,45 @@ from rollwise.rundir import Run, defer_interrupt
 
 
 def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
-          eval_before: bool = True, checkpoint_every: int = 0) -> dict:
-    start = run.resume(stages)  # 0 for a new run, else the step of the last checkpoint
-    if start == 0 and eval_before:
-        run.record_eval(0, stages.evaluate(), before=True)
+          eval_before: bool = True, checkpoint_every: int = 0,
+          checkpoint_seconds: float = 0.0) -> dict:
+    """Train to `num_steps`, resuming where `run` stopped. Checkpoints every
+    `checkpoint_every` steps or `checkpoint_seconds`, whichever comes first, and always
+    after the final evaluation; each is of the last completed step (see rundir.py)."""
     try:
+        start = run.resume(stages)  # 0 for a new run, else the step of the last checkpoint
         with run.progress(start, num_steps):
+            if start == 0 and eval_before:
+                evaluate(stages, run, 0, before=True)
+            elif eval_every and start % eval_every == 0 and 0 < start < num_steps:
+                evaluate(stages, run, start)  # interrupted during this evaluation
             for step in range(start, num_steps):
                 train_step(stages, run, step, num_steps)
+                run.raise_if_unhealthy(stages)
                 if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
-                    run.record_eval(step + 1, stages.evaluate())
-                if checkpoint_every and (step + 1) % checkpoint_every == 0:
-                    run.checkpoint(step + 1, stages)
+                    evaluate(stages, run, step + 1)
+                if step + 1 < num_steps:  # the last one comes after the final evaluation
+                    run.maybe_checkpoint(step + 1, stages, checkpoint_every, checkpoint_seconds)
+            evaluate(stages, run, num_steps, after=True)
+            run.checkpoint(num_steps, stages)
     except KeyboardInterrupt:
         run.interrupted(stages)
         raise
-    run.checkpoint(num_steps, stages)
-    run.record_eval(num_steps, stages.evaluate(), after=True)
+    except BaseException:
+        run.close()
+        raise
     return run.finish()
+
+
+def evaluate(stages: Stages, run: Run, step: int, before: bool = False,
+             after: bool = False) -> None:
+    """Evaluate at `step` unless the run already holds that evaluation (a resumed run)."""
+    if run.has_eval(step):
+        return
+    result = stages.evaluate()
+    with defer_interrupt():  # the record and the snapshot that follows it go together
+        run.record_eval(step, result, before=before, after=after)
+        run.snapshot(stages)
 
 
 def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
@@ -62,5 +84,7 @@ def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
         with timer("train"):
             update = stages.update(stages.advantages(kept)) if kept else {}
         stages.publish(step + 1)
-        return run.record_step(step + 1, num_steps, groups, kept, reward_stats, update,
-                               timer, control=stages.control_metrics())
+        record = run.record_step(step + 1, num_steps, groups, kept, reward_stats, update,
+                                 timer, control=stages.control_metrics())
+        run.snapshot(stages)
+        return record

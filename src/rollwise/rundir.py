@@ -6,11 +6,20 @@
     runs/<name>/checkpoints/step_N/  weights, optimizer, RNG and data-cursor state
     runs/<name>/summary.json         final figures (eval_before, eval_after, train_seconds, ...)
     runs/<name>/report.html          plots
+    runs/<name>/.lock                held (flock) by the one process writing the run
+
+What makes a resumed run equal an uninterrupted one: at the end of every step (inside the
+block Ctrl-C waits for) the run takes a `snapshot` of everything that changes between
+steps and is not the weights or the optimizer: RNG states, data cursor, allocator and
+rollout-pool state, counters. Every checkpoint, the periodic ones and the one written on
+Ctrl-C, is written from the latest snapshot, so an interrupt in the middle of step N+1
+(prompts drawn, RNG advanced) still saves exactly the state after step N.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import signal
 import statistics
@@ -18,7 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollwise.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from rollwise.atomic import atomic_write_text
+from rollwise.health import HealthCheck, RunUnhealthy
+from rollwise.learner.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
 from rollwise.observe import (
     MetricsWriter,
     format_step_line,
@@ -29,6 +45,7 @@ from rollwise.observe import (
 from rollwise.observe.progress import ProgressHandle
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
+from rollwise.runlock import RunLock
 from rollwise.types import Group
 
 
@@ -72,15 +89,25 @@ def defer_interrupt():
 
 
 class Run:
+    """The run directory of one run, held exclusively while open.
+
+    `lock`: a `RunLock` the caller already holds on `root` (the CLI takes it while choosing
+    the directory); otherwise one is taken here, and a live holder raises `RunLockedError`.
+    `loggers`: extra metric sinks (`observe.loggers`), each fed every metrics record.
+    """
+
     def __init__(self, root: Path, *, resume: bool, config_toml: str | None = None,
-                 keep_checkpoints: int = 2, echo=print):
+                 keep_checkpoints: int = 2, echo=print, health: HealthCheck | None = None,
+                 loggers=None, lock: RunLock | None = None):
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.lock = lock if lock is not None else RunLock(self.root)
         if config_toml is not None:
-            (self.root / "config.toml").write_text(config_toml)
+            atomic_write_text(self.root / "config.toml", config_toml)
         self.resuming = resume
         self.keep = keep_checkpoints
         self.echo = echo
+        self.health = health or HealthCheck(patience=0)
+        self.loggers = loggers
         self.metrics = MetricsWriter(self.root / "metrics.jsonl")
         self.store = TrajectoryStore(self.root / "trajectories.sqlite")
         self.summary: dict[str, Any] = {}
@@ -88,40 +115,97 @@ class Run:
         self.step = 0  # last completed step
         self.counters = {"train_seconds": 0.0, "rollouts": 0, "tokens": 0, "reward_errors": 0,
                          "reward_timeouts": 0}
+        self._snap: dict[str, Any] | None = None
+        self._saved: tuple[int, int] | None = None  # (step, snapshot id) last checkpointed
+        self._snap_id = 0
+        self._last_save = time.monotonic()
+        self.config_changes: dict[str, list] = {}  # --resume --allow-changes: recorded
 
-    # -- resume / checkpoints ------------------------------------------------------------
+    # -- snapshots and checkpoints ---------------------------------------------------------
+    def snapshot(self, stages) -> None:
+        """Remember the state after the last completed step (see the module docstring)."""
+        _, stage_state = stages.state_dict()  # references: the learner part is not copied
+        self._snap_id += 1
+        self._snap = {"step": self.step, "rng": rng_state(), "id": self._snap_id,
+                      "stages": json.loads(json.dumps(stage_state)),
+                      "counters": dict(self.counters), "summary": copy.deepcopy(self.summary),
+                      "health": self.health.state_dict()}
+
     def resume(self, stages) -> int:
-        """Restore the latest checkpoint (when resuming); the step to continue from."""
-        found = list_checkpoints(self.root / "checkpoints")
-        if not self.resuming:
-            return 0
-        if not found:  # nothing to continue from: start over, dropping partial records
-            self.store.delete_after(0)
-            self.metrics.drop_after(0)
-            self.echo(f"{self.root} has no checkpoint yet; starting from step 0")
-            return 0
-        learner_state, state = load_checkpoint(found[-1], stages.model)
-        stages.load_state_dict(learner_state, state["stages"])
-        self.step, self.counters, self.summary = state["step"], state["counters"], state["summary"]
-        dropped = self.store.delete_after(self.step)
-        self.metrics.drop_after(self.step)
-        self.echo(f"resumed from {found[-1]} (step {self.step}; {dropped} trajectories of "
-                  "unfinished steps dropped and regenerated)")
+        """Restore the latest readable checkpoint (when resuming); the step to continue from."""
+        if self.resuming:
+            self._restore(stages)
+        if self.config_changes:
+            self.summary.setdefault("config_changes", []).append(
+                {"at_step": self.step, "changes": self.config_changes})
+        self.snapshot(stages)
         return self.step
 
+    def _restore(self, stages) -> None:
+        for path in reversed(list_checkpoints(self.root / "checkpoints")):
+            try:
+                learner_state, state = load_checkpoint(path, stages.model)
+                stages.load_state_dict(learner_state, state["stages"])
+            except (OSError, ValueError, KeyError) as e:  # a damaged copy: try the one before
+                self.echo(f"checkpoint {path} unreadable ({type(e).__name__}: {e}); "
+                          "trying the one before")
+                continue
+            self.step, self.counters = state["step"], state["counters"]
+            self.summary = state["summary"]
+            self.health.load_state_dict(state.get("health", {}))
+            dropped = self.store.delete_after(self.step)
+            self.metrics.drop_after(self.step)
+            self.echo(f"resumed from {path} (step {self.step}; {dropped} trajectories of "
+                      "unfinished steps dropped and regenerated)")
+            return
+        # nothing to continue from: start over, dropping every partial record
+        self.store.delete_after(0)
+        self.metrics.drop_after(-1)
+        self.echo(f"{self.root} has no checkpoint yet; starting from step 0")
+
     def checkpoint(self, step: int, stages) -> Path:
-        learner_state, stage_state = stages.state_dict()
-        state = {"step": step, "counters": self.counters, "summary": self.summary,
-                 "stages": stage_state}
-        return save_checkpoint(self.root / "checkpoints", stages.model, learner_state, state,
-                               keep=self.keep)
+        """Write the checkpoint of the last completed step (`step`) from the latest snapshot."""
+        snap = self._snap
+        if snap is None or snap["step"] != step:
+            self.step = step
+            self.snapshot(stages)
+            snap = self._snap
+        folder = self.root / "checkpoints"
+        if self._saved == (step, snap["id"]):  # nothing happened since it was written
+            return folder / f"step_{step}"
+        learner_state, _ = stages.state_dict()
+        state = {"step": step, "counters": snap["counters"], "summary": snap["summary"],
+                 "stages": snap["stages"], "health": snap["health"]}
+        path = save_checkpoint(folder, stages.model, learner_state, state, keep=self.keep,
+                               rng=snap["rng"])
+        self._saved, self._last_save = (step, snap["id"]), time.monotonic()
+        return path
+
+    def maybe_checkpoint(self, step: int, stages, every: int = 0, seconds: float = 0.0) -> None:
+        """A periodic checkpoint: every `every` steps, or once `seconds` have passed."""
+        by_step = every and step % every == 0
+        by_time = seconds and time.monotonic() - self._last_save >= seconds
+        if by_step or by_time:
+            self.checkpoint(step, stages)
 
     def interrupted(self, stages) -> None:
-        path = self.checkpoint(self.step, stages)
-        self.summary["interrupted_at_step"] = self.step
-        self.write_summary()
-        self.echo(f"interrupted: checkpoint of step {self.step} in {path}; "
-                  f"continue with --resume {self.root}")
+        """Ctrl-C: the checkpoint of the last completed step, then the lock is released."""
+        try:
+            path = self.checkpoint(self.step, stages) if self._snap is not None else None
+            self.summary["interrupted_at_step"] = self.step
+            self.write_summary()
+            self.echo(f"interrupted: checkpoint of step {self.step} in {path}; "
+                      f"continue with --resume {self.root}")
+        finally:
+            self.close()
+
+    def has_eval(self, step: int) -> bool:
+        """Whether metrics.jsonl already holds an evaluation at `step` (a resumed run does
+        not evaluate twice)."""
+        from rollwise.observe import read_metrics
+
+        return any(r.get("kind") == "eval" and r.get("step") == step
+                   for r in read_metrics(self.metrics.path, strict=False))
 
     # -- progress ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -173,10 +257,13 @@ class Run:
             "reward_errors": rewards.num_errors, "reward_timeouts": rewards.num_timeouts,
             **update, **(control or {}),
         }
-        self.store.add_groups(step, groups)
-        self.metrics.write(record)
+        problems = self.health.observe(record)
+        record["health_problems"] = len(problems)
+        self.store.add_groups(step, groups)  # one transaction: the step's rows or none
+        self._log(record)
         self.step = step
-        self.echo(format_step_line(record))
+        line = format_step_line(record)
+        self.echo(line + (f" | WARNING: {'; '.join(problems)}" if problems else ""))
         if self.bar is not None:
             self.bar.advance(1)
         return record
@@ -186,7 +273,7 @@ class Run:
                   "rollouts": self.counters["rollouts"], "tokens": self.counters["tokens"],
                   "eval_accuracy": result["accuracy"],
                   **{f"eval_{k}": v for k, v in result.items() if k != "accuracy"}}
-        self.metrics.write(record)
+        self._log(record)
         if before:
             self.summary["eval_before"] = result
         if after:
@@ -195,15 +282,39 @@ class Run:
         self.echo(f"eval {label}: greedy accuracy {result['accuracy']:.3f} "
                   f"({int(result['num_prompts'])} prompts, {result['seconds']:.1f}s)")
 
+    def _log(self, record: dict) -> None:
+        self.metrics.write(record)
+        if self.loggers is not None:
+            self.loggers.log(record)
+
+    def raise_if_unhealthy(self, stages) -> None:
+        """Stop the run (checkpoint and summary written) when the health check says so."""
+        reason = self.health.verdict()
+        if reason is None:
+            return
+        self.summary["stopped"] = reason
+        self.checkpoint(self.step, stages)
+        self.write_summary()
+        self.close()
+        raise RunUnhealthy(reason)
+
     def write_summary(self) -> dict:
-        out = {**self.summary, **self.counters, "steps": self.step, "run_dir": str(self.root)}
-        (self.root / "summary.json").write_text(json.dumps(out, indent=2))
+        out = {**self.summary, **self.counters, "steps": self.step, "run_dir": str(self.root),
+               "health_problem_steps": self.health.problem_steps}
+        atomic_write_text(self.root / "summary.json", json.dumps(out, indent=2))
         return out
 
     def finish(self) -> dict:
         summary = self.write_summary()
         report = write_report(self.root)
-        self.store.close()
-        self.metrics.close()
+        self.close()
         summary["report"] = str(report)
         return summary
+
+    def close(self) -> None:
+        """Close the files and release the run directory (idempotent)."""
+        self.store.close()
+        self.metrics.close()
+        if self.loggers is not None:
+            self.loggers.close()
+        self.lock.release()

@@ -112,7 +112,8 @@ class TrajectoryStore:
         self._conn = sqlite3.connect(self.path, check_same_thread=False)
         with self._lock, self._conn:
             self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
+            # FULL: a committed step survives a power cut too (its checkpoint may follow)
+            self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.executescript(_SCHEMA)
             found = self._conn.execute("PRAGMA user_version").fetchone()[0]
             if found == 0:

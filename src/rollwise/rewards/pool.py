@@ -1,30 +1,33 @@
-"""The reward pool: runs verifiers over trajectories in worker threads, with a time limit each.
+"""The reward pool: runs verifiers over trajectories in worker processes, with a hard time limit.
 
-Why threads and not processes: the normal path scores ~32 trajectories with cheap verifiers
-per step, and handing a job to a warm thread costs microseconds, while a process pool would
-pickle every sample and forbid lambdas and closures as verifiers.
+Why processes: a verifier that overruns `task.reward_timeout_s` must stop, whatever it is
+doing. A thread cannot be stopped: one blocked in C holding the GIL (a catastrophic regex)
+ignores every interrupt and stalls the run, and one blocked in C without it lives on, a
+thread per time-out. A worker process is killed (SIGKILL) and a fresh one forked in its
+place, so the pool keeps its capacity and nothing leaks.
 
-The price is that a thread cannot be killed. When a verifier overruns `timeout_s`:
-
-- its score is 0 and the trajectory records the timeout; `score` returns without waiting;
-- its worker is retired and a fresh worker takes its place, so the pool keeps its capacity;
-- the retired worker is interrupted with an asynchronous exception (`PyThreadState_SetAsyncExc`).
-  That stops pure-Python loops (``while True: pass``) at their next bytecode, but not a call
-  blocked in C (``time.sleep(100)``, a catastrophic regex): such a worker lives on in the
-  background until the call returns, then exits. Workers are daemon threads, so a stuck one
-  never blocks interpreter exit. Verifiers that can block in C for long should be made
-  time-bounded themselves (or run in a subprocess by the verifier).
+Why `fork`: the verifiers are plain callables, lambdas and closures included; a forked
+worker inherits them, so nothing but the (text, sample) of each call and its score cross
+the pipe, in microseconds. Workers start at the first `score` call of a process (a pool
+copied into a forked process starts its own), ignore SIGINT (Ctrl-C is the driver's to
+handle), and exit when the pool closes or its process dies (their pipe closes).
+Where `fork` does not exist (Windows) the `spawn` method is used and verifiers must be
+importable functions.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import math
-import queue
+import multiprocessing
+import os
+import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from rollwise.types import Sample, Trajectory
@@ -57,74 +60,70 @@ class RewardStats:
                            self.num_timeouts + other.num_timeouts, self.seconds + other.seconds)
 
 
-class _Interrupt(BaseException):
-    """Raised asynchronously inside a worker whose verifier overran; BaseException so that a
-    verifier's own ``except Exception`` does not swallow it."""
+def _serve(conn, specs: list[RewardSpec]) -> None:
+    """A worker process: (job id, spec index, text, sample) in, (job id, score, error,
+    seconds) out, until the pipe closes or None arrives."""
+    from rollwise.runlock import close_inherited
 
-
-@dataclass(eq=False)
-class _Job:
-    """One verifier call on one trajectory. `lock` orders 'finished' against 'abandoned'."""
-
-    row: int  # index of the trajectory in the score() call
-    spec: RewardSpec
-    text: str
-    sample: Sample
-    results: queue.SimpleQueue  # the score() call's result queue
-    started: float | None = None  # perf_counter when a worker picked it up
-    finished: bool = False
-    abandoned: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class _Worker(threading.Thread):
-    """Takes jobs from the shared queue until it gets None or is retired."""
-
-    def __init__(self, jobs: queue.SimpleQueue, index: int) -> None:
-        super().__init__(name=f"rollwise-reward-{index}", daemon=True)
-        self.jobs = jobs
-        self.current: _Job | None = None
-        self.retired = False
-
-    def run(self) -> None:
-        while not self.retired:
-            try:
-                job = self.jobs.get()
-                if job is None:
-                    return
-                self._run_one(job)
-            except _Interrupt:
-                continue  # a late interrupt; the pool has already recorded the timeout
-
-    def _run_one(self, job: _Job) -> None:
-        self.current, job.started = job, time.perf_counter()
+    close_inherited()  # never keep the parent's run directory locked
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
         try:
-            try:
-                value, error = job.spec.fn(job.text, job.sample), None
-            except _Interrupt:
-                raise
-            except BaseException as err:  # noqa: BLE001 - any verifier failure scores 0
-                value, error = 0.0, f"{type(err).__name__}: {err}"
-            with job.lock:
-                job.finished = True
-        except _Interrupt:
-            return  # the pool gave up on this job and retired this worker
-        seconds = time.perf_counter() - job.started
-        self.current = None
-        if not job.abandoned:
-            job.results.put((job, value, error, seconds))
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        job_id, index, text, sample = msg
+        start = time.perf_counter()
+        try:
+            value, error = specs[index].fn(text, sample), None
+        except BaseException as err:  # noqa: BLE001 - any verifier failure scores 0
+            value, error = 0.0, f"{type(err).__name__}: {err}"
+        error = error or _check_value(value)
+        conn.send((job_id, 0.0 if error else float(value), error, time.perf_counter() - start))
 
 
-def _interrupt(thread: threading.Thread) -> None:
-    """Best effort: raise `_Interrupt` in `thread` at its next Python bytecode."""
-    if thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(thread.ident), ctypes.py_object(_Interrupt)
-        )
+def _context():
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+class _Worker:
+    """One worker process and the job it is running (if any)."""
+
+    def __init__(self, specs: list[RewardSpec]):
+        ctx = _context()
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, specs), daemon=True,
+                                name="rollwise-reward")
+        self.proc.start()
+        child.close()
+        self.job: int | None = None  # index into the score() call's job list
+        self.started = 0.0
+
+    def send(self, job: int, payload: tuple) -> None:
+        self.job, self.started = job, time.perf_counter()
+        self.conn.send((job, *payload))
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(timeout=1)
+        self.kill()
 
 
 class RewardPool:
-    """Scores trajectories with weighted verifiers, in threads, with a per-call time limit.
+    """Scores trajectories with weighted verifiers, in worker processes, with a time limit
+    per verifier call after which the worker is killed.
 
     >>> from rollwise.rewards.verifiers import final_number, format_reward
     >>> specs = [RewardSpec("correct", final_number), RewardSpec("format", format_reward, 0.1)]
@@ -149,18 +148,29 @@ class RewardPool:
         self.specs = list(specs)
         self.timeout_s = timeout_s
         self.num_workers = num_workers
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.workers_started = 0  # processes forked over the pool's life (replacements too)
         self._workers: list[_Worker] = []
-        self._spawned = 0
+        self._owner = os.getpid()
+        self._forked_with: list[RewardSpec] | None = None
+        self._lock = threading.Lock()  # one score() at a time: the workers are shared
         self._closed = False
-        for _ in range(num_workers):
-            self._spawn()
 
-    def _spawn(self) -> None:
-        worker = _Worker(self._jobs, self._spawned)
-        self._spawned += 1
-        self._workers.append(worker)
-        worker.start()
+    def _ready_workers(self) -> list[_Worker]:
+        """The pool's live workers, (re)started when missing, when this is a forked copy of
+        the pool, or when `specs` changed since they were forked."""
+        if os.getpid() != self._owner:  # a forked process: the pipes belong to the parent
+            self._workers, self._owner = [], os.getpid()
+        if self._forked_with != self.specs:
+            for w in self._workers:
+                w.stop()
+            self._workers, self._forked_with = [], list(self.specs)
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._spawn())
+        return self._workers
+
+    def _spawn(self) -> _Worker:
+        self.workers_started += 1
+        return _Worker(self._forked_with or self.specs)
 
     def score(self, trajectories: list[Trajectory]) -> RewardStats:
         """Score `trajectories` in place and return counts.
@@ -168,69 +178,64 @@ class RewardPool:
         Sets ``t.reward = sum(weight * score)``, ``t.reward_info = {name: score, ...,
         "errors": [...]}`` (each error "name: what happened"; a timeout reads "name: timeout
         after Xs") and ``t.timings["reward"]`` = seconds its verifiers ran (a timed-out call
-        counts as timeout_s). A verifier that raises, times out, or returns a non-finite value
-        scores 0.
+        counts as timeout_s). A verifier that raises, times out, returns a non-finite value
+        or kills its worker scores 0.
         """
         if self._closed:
             raise RuntimeError("RewardPool.score called after close()")
         start = time.perf_counter()
-        results: queue.SimpleQueue = queue.SimpleQueue()
-        pending: set[_Job] = set()
-        for row, traj in enumerate(trajectories):
+        for traj in trajectories:
             traj.reward_info = {**{spec.name: 0.0 for spec in self.specs}, "errors": []}
             traj.timings["reward"] = 0.0
-            for spec in self.specs:
-                job = _Job(row, spec, traj.text, traj.sample, results)
-                pending.add(job)
-                self._jobs.put(job)
-        num_errors = num_timeouts = 0
-        while pending:
-            try:
-                job, value, error, seconds = results.get(timeout=self._wait_time())
-            except queue.Empty:
-                num_timeouts += self._expire(pending, trajectories)
-                continue
-            pending.discard(job)
-            error = error or _check_value(value)
-            num_errors += error is not None
-            self._record(trajectories[job.row], job.spec, value, error, seconds)
+        jobs = [(row, i) for row in range(len(trajectories)) for i in range(len(self.specs))]
+        with self._lock:
+            counts = self._run(jobs, trajectories) if jobs else (0, 0)
         for traj in trajectories:
             info = traj.reward_info
             traj.reward = sum(spec.weight * info[spec.name] for spec in self.specs)
-        seconds = time.perf_counter() - start
-        return RewardStats(len(trajectories), num_errors, num_timeouts, seconds)
+        return RewardStats(len(trajectories), *counts, time.perf_counter() - start)
 
-    def _wait_time(self) -> float:
-        """Seconds until the earliest running job reaches its time limit (>= 1 ms)."""
-        now, wait = time.perf_counter(), self.timeout_s
-        for worker in self._workers:
-            job = worker.current
-            if job is not None and job.started is not None:
-                wait = min(wait, job.started + self.timeout_s - now)
-        return max(wait, 1e-3)
+    def _run(self, jobs: list[tuple[int, int]], trajs: list[Trajectory]) -> tuple[int, int]:
+        """Hand jobs to idle workers, collect results, kill overrunning workers; returns
+        (errors, timeouts)."""
+        workers = self._ready_workers()
+        todo, done = deque(range(len(jobs))), 0
+        errors = timeouts = 0
+        while done < len(jobs):
+            for w in workers:
+                if w.job is None and todo:
+                    job = todo.popleft()
+                    row, i = jobs[job]
+                    w.send(job, (i, trajs[row].text, trajs[row].sample))
+            busy = [w for w in workers if w.job is not None]
+            deadline = min(w.started for w in busy) + self.timeout_s
+            ready = wait([w.conn for w in busy], timeout=max(deadline - time.perf_counter(),
+                                                               1e-3))
+            for w in busy:
+                row, i = jobs[w.job]
+                if w.conn in ready:
+                    try:
+                        _, value, error, seconds = w.conn.recv()
+                    except (EOFError, OSError):  # the verifier took its process down
+                        value, error, seconds = 0.0, "worker process died", 0.0
+                        self._replace(workers, w)
+                elif time.perf_counter() - w.started >= self.timeout_s:
+                    value, error, seconds = 0.0, f"timeout after {self.timeout_s:g}s", \
+                        self.timeout_s
+                    timeouts += 1
+                    self._replace(workers, w)
+                else:
+                    continue
+                errors += error is not None and not error.startswith("timeout after")
+                self._record(trajs[row], self.specs[i], value, error, seconds)
+                w.job = None
+                done += 1
+        return errors, timeouts
 
-    def _expire(self, pending: set[_Job], trajectories: list[Trajectory]) -> int:
-        """Abandon running jobs past their limit, replace their workers; returns how many."""
-        now, expired = time.perf_counter(), 0
-        for worker in list(self._workers):
-            job = worker.current
-            if job is None or job not in pending or job.started is None:
-                continue
-            if now - job.started < self.timeout_s:
-                continue
-            with job.lock:
-                if job.finished:
-                    continue  # it made it; its result is on the queue
-                job.abandoned = True
-                worker.retired = True
-                _interrupt(worker)
-            pending.discard(job)
-            self._workers.remove(worker)
-            self._spawn()
-            expired += 1
-            message = f"timeout after {self.timeout_s:g}s"
-            self._record(trajectories[job.row], job.spec, 0.0, message, self.timeout_s)
-        return expired
+    def _replace(self, workers: list[_Worker], worker: _Worker) -> None:
+        """Kill `worker` (a stuck verifier stops now, whatever it was doing), fork another."""
+        worker.kill()
+        workers[workers.index(worker)] = self._spawn()
 
     @staticmethod
     def _record(
@@ -242,13 +247,18 @@ class RewardPool:
         traj.timings["reward"] += seconds
 
     def close(self) -> None:
-        """Stop the workers (a stuck one exits when its call returns). Idempotent."""
+        """Stop the workers (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        for _ in self._workers:
-            self._jobs.put(None)
+        if os.getpid() == self._owner:
+            for w in self._workers:
+                w.stop()
         self._workers.clear()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # interpreter shutdown: modules may be gone
+            self.close()
 
     def __enter__(self) -> Self:
         return self

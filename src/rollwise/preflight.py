@@ -1,0 +1,106 @@
+"""Checks of a config that need more than its schema, run before any model is loaded.
+
+Why here and not in the pydantic models: these look names up in registries (algorithms,
+verifiers, tasks, models) and ask torch whether a device exists. Running them first means
+a typo costs a second, not a model load, and nothing on disk has been touched yet (a run
+directory is created, or replaced, only after they pass).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollwise.config import Config, ConfigError
+
+
+def check_config(cfg: Config) -> None:
+    """Raise ConfigError naming the key of the first problem found."""
+    _check_algorithms(cfg)
+    _check_rewards(cfg)
+    _check_task_and_model(cfg)
+    _check_combinations(cfg)
+    check_device(cfg.run.device)
+
+
+def _known(key: str, name: str, registry, kind: str) -> None:
+    from rollwise.rewards.verifiers import unknown_name_error
+
+    if name not in registry:
+        raise ConfigError(f"{key}: {unknown_name_error(kind, name, list(registry))}")
+
+
+def _check_algorithms(cfg: Config) -> None:
+    from rollwise.algos import advantage_estimators, corrections, kl_estimators, policy_losses
+
+    a = cfg.algorithm
+    _known("algorithm.advantage", a.advantage, advantage_estimators, "advantage estimator")
+    _known("algorithm.loss", a.loss, policy_losses, "policy loss")
+    _known("algorithm.kl_estimator", a.kl_estimator, kl_estimators, "KL estimator")
+    if a.correction != "none":
+        _known("algorithm.correction", a.correction, corrections, "correction")
+
+
+def _check_rewards(cfg: Config) -> None:
+    from rollwise.rewards.group import GROUP_REWARDS
+    from rollwise.rewards.verifiers import VERIFIERS
+
+    t = cfg.task
+    names = {**VERIFIERS, **GROUP_REWARDS, "correct": None}
+    for name in t.rewards:
+        _known(f"task.rewards.{name}", name, names, "reward term")
+    for name in t.reward_options:
+        if name not in GROUP_REWARDS:
+            raise ConfigError(f"task.reward_options.{name}: options apply to group reward "
+                              f"terms ({', '.join(sorted(GROUP_REWARDS))}); '{name}' is not one")
+
+
+def _check_task_and_model(cfg: Config) -> None:
+    from rollwise.models import MODEL_NAMES
+    from rollwise.tasks import TASKS
+
+    _known("task.name", cfg.task.name, TASKS, "task")
+    if cfg.task.name == "file" and not cfg.task.path:
+        raise ConfigError("task.path: task 'file' needs the path of its data file or folder")
+    name = cfg.model.name
+    if name not in MODEL_NAMES and not (Path(name) / "config.json").is_file():
+        raise ConfigError(f"model.name = {name!r}: neither one of {', '.join(MODEL_NAMES)} nor "
+                          "a local Hugging Face directory with a config.json (nothing is "
+                          "downloaded)")
+    if cfg.task.name != "file" and cfg.task.num_train < cfg.rollout.prompts_per_step:
+        raise ConfigError(f"task.num_train = {cfg.task.num_train} is smaller than one step "
+                          f"(rollout.prompts_per_step = {cfg.rollout.prompts_per_step})")
+
+
+def _check_combinations(cfg: Config) -> None:
+    r = cfg.rollout
+    if "partial" in r.strategy and cfg.control.allocator != "uniform":
+        raise ConfigError(f"rollout.strategy='{r.strategy}' returns groups from earlier steps "
+                          f"in place of requested ones, which control.allocator="
+                          f"'{cfg.control.allocator}' does not expect; use the uniform "
+                          "allocator with partial rollouts")
+    if r.engine == "hf" and (r.strategy not in ("sync", "continuous") or r.spec_group
+                             or r.spec_reuse):
+        raise ConfigError("rollout.strategy / spec_group / spec_reuse beyond 'sync' and "
+                          "'continuous' need the native engine (rollout.engine='native')")
+
+
+def check_device(device: str) -> None:
+    """The torch device exists in this torch build and on this machine."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"run.device = {device!r}: not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only torch build" if torch.version.cuda is None else "no visible GPU"
+            raise ConfigError(f"run.device = {device!r}: CUDA is not available here ({build}); "
+                              "use run.device = 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"run.device = {device!r}: only {torch.cuda.device_count()} "
+                              "CUDA device(s) visible")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"run.device = {device!r}: MPS is not available here; use 'cpu'")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"run.device = {device!r}: rollwise runs on 'cpu', 'cuda' or 'mps'")
