@@ -1,5 +1,5 @@
 """rollwise: RL post-training of language models with verifiable rewards, built around the
-rollout. See README.md for the tour and ARCHITECTURE.md for the map.
+rollout. See README.md for the tour and docs/architecture.md for the map.
 
 Heavy parts (torch, transformers) load on first use, so `import rollwise.observe` or
 `import rollwise.tasks` stays light.
