@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# `auto` precision means float32 in tests: results must not depend on how fast this CPU's
+# bfloat16 or int8 kernels are (tests of the probe itself unset this).
+os.environ.setdefault("ROLLWISE_AUTO_PRECISION", "float32")
 
 from rollwise.types import Sample, Trajectory
 

@@ -19,6 +19,7 @@ from rollwise.learner.logprobs import token_logprobs
 from rollwise.types import Sample, Trajectory
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
+pytestmark = pytest.mark.precision  # run again under the AVX2 cap by `make test`
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,13 @@ def workload():
 
     policy, prompts = load_workload("tiny", 24)
     return policy, prompts
+
+
+def _native_bf16() -> bool:
+    """This CPU computes bfloat16 in hardware and torch is not capped below it."""
+    from rollwise.precision import cpu_flags, native_bf16
+
+    return native_bf16(cpu_flags(), torch.backends.cpu.get_cpu_capability())
 
 
 def _engine(policy, dtype, **kw) -> NativeEngine:
@@ -86,7 +94,13 @@ def test_bf16_logprobs_are_those_of_the_bf16_policy(workload) -> None:
     err_fp32 = _mean_abs(_forward_logprobs(policy.model, prompts, out32),
                          [c.logprobs for c in out32])
     assert err_fp32 < 1e-5
-    assert err_same < 0.02
+    assert err_same < 0.02 and err_other < 0.05
+    if not _native_bf16():
+        # Emulated bfloat16 (AVX2, or the ISA capped): the reference's bfloat16 forward rounds
+        # its softmax and norms to bfloat16 through kernels that differ from the engine's
+        # (float32 softmax and norm statistics), so it is no closer a reference than float32:
+        # what holds on every CPU is the bound above; the ordering only where bf16 is native.
+        return
     assert err_same < err_other, (err_same, err_other)
 
 
@@ -146,11 +160,17 @@ def test_mismatch_metrics_vanish_at_the_same_precision(workload, correction) -> 
         batch = collate(trajs, adv, torch.arange(len(trajs)) // 4, pad_id=0)
         metrics[dtype] = _learner(copy.deepcopy(policy.model), correction).update(batch)
     same, mixed = metrics["float32"], metrics["bfloat16"]
-    assert abs(same["correction_kl"]) < 1e-7 and abs(same["correction_kl_k1"]) < 1e-5
+    # Same weights, same precision: the engine's and the learner's log-probs differ only by
+    # float32 rounding (different kernels and batch shapes), so the metrics equal their
+    # ideal values up to a few float32 ulps of the quantities they are computed from:
+    # weights w = exp(d) with |d| ~ 1e-6, k3 = mean(w - 1 - log w), ESS = 1 / mean((w/mean w)^2)
+    # are each a handful of float32 roundings (eps = 1.19e-7) away from 0 and 1.
+    tol = 8 * torch.finfo(torch.float32).eps
+    assert abs(same["correction_kl"]) < tol and abs(same["correction_kl_k1"]) < 1e-5
     assert same["correction_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert same["correction_weight_max"] == pytest.approx(1.0, abs=1e-5)
     assert same["correction_clipped_frac"] == 0.0
-    assert same["correction_ess"] == pytest.approx(1.0, abs=1e-9)
+    assert same["correction_ess"] == pytest.approx(1.0, abs=tol)
     assert mixed["correction_kl"] > 100 * max(same["correction_kl"], 1e-8)
     assert abs(mixed["correction_weight_mean"] - 1.0) < 0.1  # a small mismatch
     if correction == "tis":  # token weights spread around 1 (MIS keeps them all at 1 here)
@@ -167,8 +187,9 @@ def test_rollout_dtype_config_reaches_the_engines(tmp_path) -> None:
     assert stages.evaluator.engine.decoder is stages.engine.decoder
     with pytest.raises(ConfigError, match="native engine"):
         build(load_config(CONFIG, [*base, "rollout.dtype='bfloat16'", "rollout.engine='hf'"]))
-    with pytest.raises(Exception, match="rollout.dtype"):
+    with pytest.raises(Exception, match="rollout.dtype") as bad:
         load_config(CONFIG, [*base, "rollout.dtype='int4'"])
+    assert all(name in str(bad.value) for name in ("auto", "float32", "bfloat16", "int8"))
 
 
 @pytest.mark.slow

@@ -30,6 +30,8 @@ from rollwise.rewards import RewardPool, RewardSpec, RewardStats, get_verifier
 from rollwise.rewards.filters import drop_zero_variance
 from rollwise.rewards.group import GROUP_REWARDS, GroupTerm, apply_group_rewards, get_group_reward
 from rollwise.rollout import RolloutScheduler, generate_groups, summarize_rollout
+from rollwise.precision import ModelShapes, PrecisionChoice
+from rollwise.precision import resolve as resolve_precision
 from rollwise.runtime import configure as configure_runtime
 from rollwise.tasks import Task, make_task
 from rollwise.types import Batch, Group, Sample
@@ -231,7 +233,9 @@ def build(cfg: Config) -> Stages:
     eval_max = e.max_tokens or r.max_tokens
     eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
-    engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens, r.dtype)
+    precision = _precision(cfg, policy)
+    engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
+                           precision.rollout)
     specs = [RewardSpec(name, task.verifier if name == "correct" else get_verifier(name), w)
              for name, w in t.rewards.items() if name not in GROUP_REWARDS]
     group_terms = _group_terms(cfg)
@@ -244,16 +248,16 @@ def build(cfg: Config) -> Stages:
         grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps, lr_schedule=lc.lr_schedule,
         total_steps=cfg.run.num_steps * lc.ppo_epochs,
         micro_batch_tokens=lc.micro_batch_tokens, logprob_chunk=lc.logprob_chunk,
-        precision=lc.precision, temperature=r.temperature or 1.0,
+        precision=precision.learner, temperature=r.temperature or 1.0,
         kl_fn=lookup(kl_estimators, a.kl_estimator, "KL estimator"), kl_coef=a.kl_coef,
         ppo_epochs=lc.ppo_epochs, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
-        correction_fn=None if a.correction == "none" else lookup(
-            corrections, a.correction, "correction"),
+        correction_fn=None if precision.correction == "none" else lookup(
+            corrections, precision.correction, "correction"),
         correction_options={"cap": a.correction_cap, "low": a.correction_low},
-        skip_zero_advantage=lc.skip_zero_advantage)
+        skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts)
     evaluator = Evaluator(
-        engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens, r.dtype,
-                             weights_from=engine),
+        engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens,
+                             precision.rollout, weights_from=engine),
         prompts=eval_prompts,
         pool=RewardPool([RewardSpec("correct", task.verifier)], timeout_s=t.reward_timeout_s),
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
@@ -275,8 +279,24 @@ def build(cfg: Config) -> Stages:
         info={"skipped_train_prompts": skipped, "skipped_eval_prompts": eval_skipped,
               "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
               "parameters": sum(p.numel() for p in policy.model.parameters()),
-              "trainable_parameters": sum(p.numel() for p in learner.params)},
+              "trainable_parameters": sum(p.numel() for p in learner.params),
+              "precision": precision.record(), "precision_line": precision.line()},
     )
+
+
+def _precision(cfg: Config, policy: Policy) -> PrecisionChoice:
+    """rollout.dtype, learner.precision and algorithm.correction with every 'auto' settled
+    for this machine (rollwise.precision: a cached probe of the model's shapes)."""
+    from rollwise.engine.decoder import UnsupportedModel, check_supported
+
+    engine = cfg.rollout.engine
+    try:
+        check_supported(policy.model)
+    except UnsupportedModel:
+        engine = "hf"  # make_engine falls back to it; it samples from the model as it is
+    return resolve_precision(cfg.rollout.dtype, cfg.learner.precision, cfg.algorithm.correction,
+                             shapes=ModelShapes.of(policy.model), device=cfg.run.device,
+                             engine=engine)
 
 
 def _check_enough_prompts(usable: int, skipped: int, per_step: int) -> None:

@@ -124,11 +124,13 @@ class RolloutConfig(_Section):
     )
     batch_size: int = Field(
         64, ge=1, description="Sequences decoded at once (native: max concurrent; hf: per call).")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Native engine precision (weights, activations, KV cache); a "
-        "converted copy of the learner's weights is taken at each publication and the engine "
-        "reports log-probs of the precision that sampled (docs/precision.md). Pair bfloat16 "
-        "with algorithm.correction = 'tis'.")
+    dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
+        "auto", description="Native engine precision: 'auto' (chosen for this machine by a "
+        "cached capability probe: bfloat16 where the CPU or GPU computes it natively, int8 "
+        "projections where it does not and int8 is faster, else float32), 'float32', "
+        "'bfloat16' (weights, activations, KV cache) or 'int8' (int8 projections, float32 "
+        "activations). A converted copy of the learner's weights is taken at each publication; "
+        "the engine reports log-probs of the precision that sampled (docs/precision.md).")
     strategy: Literal["sync", "continuous", "partial", "context", "partial+context"] = Field(
         "continuous", description="Rollout schedule (docs/rollout.md): 'sync' (one static "
         "batch), 'continuous' (continuous batching), 'partial' (APRIL: over-provision, keep "
@@ -184,8 +186,9 @@ class AlgorithmConfig(_Section):
     kl_in_reward: bool = Field(
         False, description="Put the KL penalty in the reward (per token) instead of the loss.")
     correction: str = Field(
-        "none", description="Off-policy correction of the learner vs engine log-probs: none, "
-        "tis, mis, tis_seq, mis_seq.")
+        "auto", description="Off-policy correction of the learner vs engine log-probs: auto "
+        "(tis when the rollout precision differs from the learner's, else none), none, tis, "
+        "mis, tis_seq, mis_seq.")
     correction_cap: float = Field(
         2.0, gt=0, description="TIS weight cap C; MIS keeps ratios in [correction_low, C].")
     correction_low: float | None = Field(
@@ -219,10 +222,15 @@ class LearnerConfig(_Section):
     logprob_chunk: int = Field(
         1024, ge=1, description="Response tokens per chunk of the output-layer log-prob."
     )
-    precision: Literal["float32", "bf16-autocast"] = Field(
-        "float32", description="Learner compute: float32, or bfloat16 autocast (fp32 master)."
-    )
+    precision: Literal["auto", "float32", "bf16-autocast"] = Field(
+        "auto", description="Learner compute: 'auto' (bf16-autocast where bfloat16 is native "
+        "and faster on this machine, else float32), 'float32', or 'bf16-autocast' (bfloat16 "
+        "products, float32 master weights).")
     ppo_epochs: int = Field(1, ge=1, description="Updates per rollout batch.")
+    share_prompts: bool = Field(
+        True, description="Rows of a micro-batch with the same prompt (a group's samples) run "
+        "it once: the same log-probs and gradients from groups x P + N x R tokens instead of "
+        "N x (P + R).")
     skip_zero_advantage: bool = Field(
         True, description="Run no forward/backward for rows whose advantage is 0 when the loss "
         "declares they add nothing (PPO, GSPO, CISPO with kl_coef and entropy_coef 0 in the "

@@ -36,7 +36,7 @@ def _check_algorithms(cfg: Config) -> None:
     _known("algorithm.advantage", a.advantage, advantage_estimators, "advantage estimator")
     _known("algorithm.loss", a.loss, policy_losses, "policy loss")
     _known("algorithm.kl_estimator", a.kl_estimator, kl_estimators, "KL estimator")
-    if a.correction != "none":
+    if a.correction not in ("none", "auto"):  # auto: rollwise.precision decides
         _known("algorithm.correction", a.correction, corrections, "correction")
 
 

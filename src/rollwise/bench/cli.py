@@ -218,13 +218,21 @@ def compare(runs: Annotated[list[Path], typer.Argument(help="Finished run direct
 @bench_app.command("learner")
 def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
             reps: Annotated[int, typer.Option(help="Alternating repetitions.")] = 3,
-            threads: ThreadsOpt = 0):
-    """One learner update on a fixed batch: float32 vs bfloat16 autocast (+ TIS)."""
+            threads: ThreadsOpt = 0,
+            variant: Annotated[list[str] | None, typer.Option(
+                help="Variants to time (repeatable; default all): float32, float32-unshared, "
+                "float32+tis, bf16-autocast, bf16-autocast+tis.")] = None):
+    """One learner update on a fixed batch: float32 vs bfloat16 autocast (+ TIS), prompts
+    shared or not."""
     from rollwise.bench import learner as bl
     from rollwise.runtime import configure
 
     configure(threads)
-    data = bl.run(model, reps=reps, progress=_say)
+    variants = tuple(variant or bl.VARIANTS)
+    bad = [v for v in variants if v not in bl.VARIANTS]
+    if bad:
+        raise typer.BadParameter(f"unknown variant(s) {bad}; known: {', '.join(bl.VARIANTS)}")
+    data = bl.run(model, reps=reps, variants=variants, progress=_say)
     print_table(f"learner update: {model}, {data['rows']} rows, {data['tokens']} tokens, "
                 f"{data['threads']} threads", data["variants"],
                 ["variant", "update_s", "min_s", "max_s", "speedup_vs_float32"])

@@ -9,7 +9,10 @@ one small step per update and the timings compare like with like:
 - `float32`: float32 compute, no correction;
 - `bf16-autocast`: bfloat16 autocast, no correction;
 - `bf16-autocast+tis`: the same plus token TIS (one more forward pass without gradient to
-  recompute the old log-probs), what `configs/quickstart.toml` runs.
+  recompute the old log-probs), what `auto` picks on a CPU with native bfloat16;
+- `float32+tis`: float32 compute with TIS, what `auto` picks with int8 rollouts (AVX2);
+- `float32-unshared`: float32 with every row running its own copy of the prompt
+  (`learner.share_prompts = false`, the behaviour before prompts were shared).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import torch
 
 from rollwise.bench.common import load_workload, median
 
-VARIANTS: dict[str, tuple[str, str]] = {  # name: (learner precision, correction)
-    "float32": ("float32", "none"),
-    "bf16-autocast": ("bf16-autocast", "none"),
-    "bf16-autocast+tis": ("bf16-autocast", "tis"),
+VARIANTS: dict[str, tuple[str, str, bool]] = {  # name: (precision, correction, share prompts)
+    "float32": ("float32", "none", True),
+    "float32-unshared": ("float32", "none", False),
+    "float32+tis": ("float32", "tis", True),
+    "bf16-autocast": ("bf16-autocast", "none", True),
+    "bf16-autocast+tis": ("bf16-autocast", "tis", True),
 }
 
 
@@ -59,10 +64,11 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
     for rep in range(reps):
         order = list(variants[rep % len(variants):] + variants[: rep % len(variants)])
         for v in order:
-            precision, correction = VARIANTS[v]
+            precision, correction, share = VARIANTS[v]
             learner = Learner(policy.model, loss_fn=policy_losses["ppo"],
                               loss_options={"aggregation": "token-mean"}, lr=1e-5,
                               precision=precision, skip_zero_advantage=False,
+                              share_prompts=share,
                               correction_fn=None if correction == "none" else corrections[
                                   correction], correction_options={"cap": 2.0})
             start = time.perf_counter()

@@ -19,9 +19,16 @@ a converted copy, taken at each policy publication (docs/precision.md):
   gate/up), so a decode step runs 4 matrix products per layer, not 7; bfloat16 weights on
   the CPU are kept in oneDNN's packed layout; attention scores and the softmax are computed
   in float32.
-- int8 weights are not offered: on this CPU the dynamic-int8 linear is fast but changes the
-  policy (per-tensor activation scales), and the weight-only int8 kernel is slower than
-  bfloat16 (docs/precision.md has the measurements).
+- `int8` (the lever for CPUs without native bfloat16, e.g. AVX2): activations and the KV
+  cache stay float32; the q/k/v, o and gate/up projections hold int8 weights (one scale per
+  output channel) and quantize their input at each call with one scale per row, so an
+  outlier in one sequence does not coarsen the others; the int32 products come from
+  `torch._int_mm` (oneDNN's integer kernels). Activation outliers sit in a few channels, so
+  SmoothQuant's migration (alpha 0.5) moves part of each channel's range into the weights:
+  x W^T = (x / s)(W s)^T with s_j = sqrt(max|x_j| / max|W_:,j|), max|x_j| measured at each
+  publication by one float32 pass of the model body over fixed pseudo-random tokens.
+  down_proj (the largest outliers) and the output layer stay float32. Mismatch against
+  float32 and the alternatives measured: docs/precision.md.
 """
 
 from __future__ import annotations
@@ -122,11 +129,43 @@ class _Dense:
         return F.linear(x, self.w, self.b)
 
 
+class _Int8Dense:
+    """y ~ x W^T (+ b) from int8 operands: W quantized once per output channel, x per row at
+    each call; both symmetric (scale = max |value| / 127, so rounding never overflows).
+    Error per product: each operand is off by at most half a step, i.e. relative error of
+    order 1/254 per factor before accumulation (exact int32 sums)."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None,
+                 smooth: torch.Tensor | None = None):
+        """`smooth`: [K] SmoothQuant factors s; W is stored as W s and x is read as x / s."""
+        w = w.float() if smooth is None else w.float() * smooth
+        self.inv = None if smooth is None else 1.0 / smooth
+        self.scale = w.abs().amax(1).clamp_(min=1e-12) / 127  # [N]
+        # stored [N, K] and passed transposed: the layout oneDNN's int8 product runs fastest on
+        self.wq = (w / self.scale[:, None]).round_().to(torch.int8)
+        self.b = None if b is None else b.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.inv is not None:
+            x2 = x2 * self.inv
+        sx = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12).div_(127)  # [M, 1]
+        xq = (x2 / sx).round_().to(torch.int8)
+        y = torch._int_mm(xq, self.wq.t()).float().mul_(sx).mul_(self.scale)
+        if self.b is not None:
+            y += self.b
+        return y.view(*shape[:-1], -1)
+
+
 class Decoder:
     def __init__(self, model, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
+        """`dtype`: the compute precision (float32, bfloat16, ...), or torch.int8 for int8
+        projections around float32 activations."""
         check_supported(model)
         hf = unwrap(model)
+        self.hf = hf
         cfg = hf.config
         self.cfg = cfg
         self.layers = list(hf.model.layers)
@@ -140,9 +179,11 @@ class Decoder:
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.silu = getattr(cfg, "hidden_act", "silu") == "silu"
         weight = self.embed.weight
-        self.dtype = dtype or weight.dtype
+        self.int8 = dtype == torch.int8  # int8 projections, float32 everything else
+        self.dtype = torch.float32 if self.int8 else (dtype or weight.dtype)
         self.device = torch.device(device) if device is not None else weight.device
-        self.shared = self.dtype == weight.dtype and self.device == weight.device
+        self.shared = (self.dtype == weight.dtype and self.device == weight.device
+                       and not self.int8)
         window = getattr(cfg, "sliding_window", None)
         if not (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
             window = None
@@ -152,7 +193,7 @@ class Decoder:
         self.cos = cos[0].to(self.device, self.dtype)
         self.sin = sin[0].to(self.device, self.dtype)
         self._tensors: dict[nn.Module, torch.Tensor] = {}  # converted norm/embedding weights
-        self._linears: dict[nn.Module | tuple, _Dense] = {}  # converted projections
+        self._linears: dict[nn.Module | tuple, _Dense | _Int8Dense] = {}  # converted projections
         self._sizes: dict[tuple, list[int]] = {}  # output widths of each fused projection
         self.refresh()
 
@@ -187,7 +228,8 @@ class Decoder:
         pack = (self.dtype == torch.bfloat16 and self.device.type == "cpu"
                 and torch.backends.mkldnn.is_available())
         tensors = {m: m.weight.detach().to(self.device, self.dtype) for m in self._plain()}
-        linears: dict[nn.Module | tuple, _Dense] = {}
+        amax = self._input_ranges() if self.int8 else {}
+        linears: dict[nn.Module | tuple, _Dense | _Int8Dense] = {}
         for mods in self._groups():
             ws = [_effective_weight(m) for m in mods]
             bs = [getattr(m, "bias", None) for m in mods]
@@ -195,12 +237,45 @@ class Decoder:
             b = None if all(x is None for x in bs) else torch.cat([
                 x.detach() if x is not None else w_.new_zeros(w_.shape[0])
                 for x, w_ in zip(bs, ws)])
-            linears[mods if len(mods) > 1 else mods[0]] = _Dense(
-                w.to(self.device, self.dtype), None if b is None else b.to(self.device, self.dtype),
-                pack=pack)
+            w, b = w.to(self.device, self.dtype), None if b is None else b.to(self.device, self.dtype)
+            if mods[0] in amax:
+                smooth = (amax[mods[0]].clamp(min=1e-5) / w.abs().amax(0).clamp(min=1e-5)).sqrt()
+                dense = _Int8Dense(w, b, smooth)
+            else:
+                dense = _Dense(w, b, pack=pack)
+            linears[mods if len(mods) > 1 else mods[0]] = dense
             self._sizes[mods] = [x.shape[0] for x in ws]
         self._tensors, self._linears = tensors, linears
         return time.perf_counter() - start
+
+    def _int8_inputs(self) -> list[nn.Module]:
+        """The first projection of each int8 group (the group's input is read through it);
+        down_proj and the output layer stay float32."""
+        return [self.lm_head] + [layer.self_attn.q_proj for layer in self.layers] + [
+            layer.self_attn.o_proj for layer in self.layers] + [
+            layer.mlp.gate_proj for layer in self.layers]
+
+    def _input_ranges(self) -> dict[nn.Module, torch.Tensor]:
+        """[K] max |x_j| of each int8 projection's input over one float32 pass of the model
+        body (no output layer) on 2 x 32 fixed pseudo-random tokens: the channels that carry
+        outliers do so for any input, and fixed tokens keep the conversion deterministic."""
+        amax: dict[nn.Module, torch.Tensor] = {}
+
+        def record(m, args):
+            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+            amax[m] = torch.maximum(amax[m], x) if m in amax else x
+
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.embed.weight.shape[0], (2, 32), generator=gen)
+        hooks = [m.register_forward_pre_hook(record) for m in self._int8_inputs()]
+        try:
+            out = self.hf.model(input_ids=tokens.to(self.embed.weight.device))
+        finally:
+            for h in hooks:
+                h.remove()
+        if self.lm_head in self._int8_inputs():  # its input is the body's (normed) output
+            record(self.lm_head, (out.last_hidden_state,))
+        return {m: x.to(self.device) for m, x in amax.items()}
 
     def _w(self, m: nn.Module) -> torch.Tensor:
         return m.weight if self.shared else self._tensors[m]

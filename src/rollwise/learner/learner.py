@@ -43,8 +43,11 @@ class Learner:
                  kl_fn: Callable | None = None, kl_coef: float = 0.0, ppo_epochs: int = 1,
                  kl_in_reward: bool = False, entropy_coef: float = 0.0,
                  correction_fn: Callable | None = None, correction_options: dict | None = None,
-                 skip_zero_advantage: bool = True):
+                 skip_zero_advantage: bool = True, share_prompts: bool = True):
+        """`share_prompts`: rows with the same prompt run it once per micro-batch (the
+        same log-probs and gradients; learner/logprobs.py)."""
         self.model = model
+        self.share_prompts = share_prompts
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas,
@@ -76,7 +79,7 @@ class Learner:
         with self._autocast():
             return token_logprobs(model, rows.input_ids, rows.attention_mask, rows.loss_mask,
                                   chunk=self.logprob_chunk, temperature=self.temperature,
-                                  with_entropy=with_entropy)
+                                  with_entropy=with_entropy, share_prompts=self.share_prompts)
 
     @torch.no_grad()
     def _ref_logprobs(self, rows: Batch) -> torch.Tensor:

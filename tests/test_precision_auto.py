@@ -1,0 +1,159 @@
+"""`auto` precision (rollwise.precision): what the probe sees, the decision it makes on each
+kind of CPU, its cache, explicit settings winning, the warning for emulated bfloat16, and
+that a vector-ISA cap (how CI checks the AVX2 path on a newer CPU) really changes kernels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollwise import precision as P
+from rollwise.precision import ModelShapes, Probe
+
+pytestmark = pytest.mark.precision
+CAP_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+           "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def _probe(native: bool, rollout: dict[str, float], learner: dict[str, float]) -> Probe:
+    return Probe(cpu="test cpu", isa="AVX512" if native else "AVX2", flags=[],
+                 native_bf16=native, rollout_gflops={"float32": 100.0} | rollout,
+                 learner_gflops={"float32": 100.0} | learner)
+
+
+# The kinds of CPU users have, as the probe would measure them (GFLOP/s, float32 = 100).
+KINDS = {
+    # native bf16 (AVX-512-BF16 / AMX): bf16 much faster, int8 fast too -> bf16 (closer)
+    "avx512_bf16": (_probe(True, {"bfloat16": 300, "int8": 350}, {"bf16-autocast": 250}),
+                    ("bfloat16", "bf16-autocast", "tis")),
+    # AVX2 laptop: bf16 emulated (slow), int8 3x -> int8 rollouts, float32 learner
+    "avx2": (_probe(False, {"bfloat16": 2, "int8": 300}, {"bf16-autocast": 1}),
+             ("int8", "float32", "tis")),
+    # emulated bf16 that happens to time fast is still not adopted (not native)
+    "avx512_no_bf16": (_probe(False, {"bfloat16": 150, "int8": 200}, {"bf16-autocast": 130}),
+                       ("int8", "float32", "tis")),
+    # small shapes: nothing pays -> float32 everywhere, no correction
+    "tiny_shapes": (_probe(False, {"bfloat16": 5, "int8": 90}, {"bf16-autocast": 5}),
+                    ("float32", "float32", "none")),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_choice_per_cpu_kind(kind, monkeypatch) -> None:
+    monkeypatch.delenv("ROLLWISE_AUTO_PRECISION", raising=False)
+    probe, want = KINDS[kind]
+    monkeypatch.setattr(P, "probe", lambda shapes, **kw: probe)
+    got = P.resolve("auto", "auto", "auto", shapes=ModelShapes(64, 128, 96))
+    assert (got.rollout, got.learner, got.correction) == want
+    assert got.source == {"rollout": "auto", "learner": "auto", "correction": "auto"}
+    line = got.line()
+    assert f"rollout {want[0]} (auto)" in line and "test cpu" in line
+    assert "vs float32: rollout" in line  # the measured ratios are printed with the choice
+
+
+def test_explicit_settings_win_and_correction_follows(monkeypatch) -> None:
+    monkeypatch.delenv("ROLLWISE_AUTO_PRECISION", raising=False)
+    probe, _ = KINDS["avx512_bf16"]
+    monkeypatch.setattr(P, "probe", lambda shapes, **kw: probe)
+    shapes = ModelShapes(64, 128, 96)
+    got = P.resolve("float32", "auto", "auto", shapes=shapes)
+    assert (got.rollout, got.learner, got.correction) == ("float32", "bf16-autocast", "tis")
+    got = P.resolve("float32", "float32", "auto", shapes=shapes)
+    assert got.correction == "none" and got.probe is None  # nothing to decide: no probe
+    got = P.resolve("auto", "auto", "mis", shapes=shapes)
+    assert got.correction == "mis" and got.source["correction"] == "explicit"
+    # the HF engine samples from the model as it is: auto means float32 there
+    assert P.resolve("auto", "float32", "auto", shapes=shapes, engine="hf").rollout == "float32"
+
+
+def test_env_override_means_float32_without_probing(monkeypatch) -> None:
+    monkeypatch.setenv("ROLLWISE_AUTO_PRECISION", "float32")
+    monkeypatch.setattr(P, "probe", lambda *a, **k: pytest.fail("probed"))
+    got = P.resolve("auto", "auto", "auto", shapes=ModelShapes(64, 128, 96))
+    assert (got.rollout, got.learner, got.correction) == ("float32", "float32", "none")
+
+
+def test_emulated_bf16_warns_once_with_the_measured_slowdown(monkeypatch) -> None:
+    monkeypatch.delenv("ROLLWISE_AUTO_PRECISION", raising=False)
+    probe, _ = KINDS["avx2"]
+    monkeypatch.setattr(P, "probe", lambda shapes, **kw: probe)
+    monkeypatch.setattr(P, "_warned", set())
+    said: list[str] = []
+    for _ in range(3):
+        got = P.resolve("bfloat16", "float32", "auto", shapes=ModelShapes(64, 128, 96),
+                        echo=said.append)
+        assert got.rollout == "bfloat16" and got.correction == "tis"  # it still works
+    assert len(said) == 1
+    assert "emulated" in said[0] and "0.02x" in said[0] and "int8/float32" in said[0]
+
+
+def test_native_bf16_needs_the_flag_and_an_uncapped_isa(monkeypatch) -> None:
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert P.native_bf16({"avx2", "avx512f", "avx512_bf16"}, "AVX512")
+    assert P.native_bf16({"amx_bf16"}, "AVX512")
+    assert not P.native_bf16({"avx2", "fma"}, "AVX2")
+    assert not P.native_bf16({"avx512f", "avx512_bf16"}, "AVX2")  # torch capped to AVX2
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not P.native_bf16({"avx512f", "avx512_bf16"}, "AVX512")  # oneDNN capped
+
+
+def test_probe_measures_every_candidate_and_is_cached(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ROLLWISE_CACHE", str(tmp_path))
+    shapes = ModelShapes(64, 128, 96)
+    first = P.probe(shapes, threads=1, budget_s=0.05)
+    assert set(first.rollout_gflops) == set(P.ROLLOUT_DTYPES)
+    assert set(first.learner_gflops) == set(P.LEARNER_PRECISIONS)
+    assert all(v > 0 for v in [*first.rollout_gflops.values(), *first.learner_gflops.values()])
+    assert not first.cached and first.torch_version == torch.__version__
+    again = P.probe(shapes, threads=1, budget_s=0.05)
+    assert again.cached and again.rollout_gflops == first.rollout_gflops
+    # another model shape, or an ISA cap in the environment, is another cache entry
+    assert not P.probe(ModelShapes(64, 256, 96), threads=1, budget_s=0.05).cached
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not P.probe(shapes, threads=1, budget_s=0.05).cached
+
+
+def test_model_shapes_of_a_llama(tiny_llama) -> None:
+    model = tiny_llama()  # hidden 32, 2 heads, 1 kv head, MLP width from the tiny preset
+    shapes = ModelShapes.of(model)
+    assert shapes.hidden == 32
+    assert shapes.qkv == (2 + 2 * 1) * 16
+    assert shapes.intermediate == model.config.intermediate_size
+
+
+def _isa_seen(env: dict[str, str]) -> tuple[str, str]:
+    """(torch's dispatch capability, oneDNN's ISA line) in a fresh process with `env`."""
+    code = ("import torch; print('CAP', torch.backends.cpu.get_cpu_capability()); "
+            "a = torch.randint(-5, 5, (64, 64), dtype=torch.int8); torch._int_mm(a, a.t())")
+    base = {k: v for k, v in os.environ.items() if k not in CAP_ENV}  # uncapped unless asked
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=base | env | {"ONEDNN_VERBOSE": "1"}, timeout=120)
+    text = out.stdout + out.stderr
+    cap = next(line.split()[1] for line in text.splitlines() if line.startswith("CAP "))
+    isa = next((line.split("isa:", 1)[1] for line in text.splitlines() if "isa:" in line), "")
+    return cap, isa
+
+
+def test_isa_cap_changes_the_kernels_used() -> None:
+    """How CI knows its AVX2 run is one: under the cap, torch dispatches its AVX2 kernels
+    (`get_cpu_capability`) and oneDNN reports AVX2 as the ISA it generates code for (its
+    verbose `isa:` line), whatever the CPU has."""
+    cap, isa = _isa_seen(CAP_ENV)
+    assert cap == "AVX2", cap
+    assert "AVX2" in isa and "AVX-512" not in isa, isa
+    if {"avx512f"} <= P.cpu_flags():  # a newer CPU: uncapped, both really go above AVX2
+        cap, isa = _isa_seen({})
+        assert cap != "AVX2" and "AVX-512" in isa, (cap, isa)
+
+
+@pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "avx2",
+                    reason="runs only in CI's capped pass (make test-avx2)")
+def test_this_process_runs_capped() -> None:
+    """In the capped pass, this very process dispatches AVX2 kernels and the probe sees no
+    native bfloat16, so `auto` takes the path AVX2 users get."""
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert not P.native_bf16(P.cpu_flags(), torch.backends.cpu.get_cpu_capability())
