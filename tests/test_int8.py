@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollwise.engine import NativeEngine, SamplingParams
-from rollwise.engine.decoder import _Int8Dense
+from rollwise.engine.decoder import _Int8Dense, int8_weight_levels
 from rollwise.learner.logprobs import token_logprobs
 
 pytestmark = pytest.mark.precision
@@ -37,13 +37,26 @@ def test_int8_product_within_its_rounding_bound(smooth) -> None:
     got = lin(x)
     xs, ws = (x / s, w * s) if smooth else (x, w)
     sx = xs.abs().amax(1, keepdim=True) / 127
-    sw = ws.abs().amax(1) / 127
+    sw = ws.abs().amax(1) / int8_weight_levels()  # 127, or 63 where 8 bits would saturate
     bound = (xs.abs() @ torch.ones(96, 1) * sw / 2 + sx / 2 * ws.abs().sum(1)
              + 96 * sx * sw / 4)
     err = (got - x @ w.T).abs()
     assert torch.all(err <= bound * 1.01 + 1e-5), float((err / bound).max())
     assert err.max() > 0  # it really is quantized
     assert lin.wq.dtype == torch.int8
+
+
+def test_int8_kernel_is_exact_at_the_weight_range_used() -> None:
+    """The integer product is exact for activations in [-127, 127] and weights within the
+    range int8_weight_levels() picked for this process (an AVX2 kernel saturates 16-bit
+    pair sums beyond 64: the capped CI pass checks that case)."""
+    gen = torch.Generator().manual_seed(0)
+    levels = int8_weight_levels()
+    assert levels in (63, 127)
+    for m in (1, 5, 64):
+        x = torch.randint(-127, 128, (m, 576), dtype=torch.int8, generator=gen)
+        w = torch.randint(-levels, levels + 1, (96, 576), dtype=torch.int8, generator=gen)
+        assert torch.equal(torch._int_mm(x, w.t()), x.int() @ w.int().t())
 
 
 def _int8_reference_logprobs(model, engine: NativeEngine, prompts, completions):

@@ -129,18 +129,39 @@ class _Dense:
         return F.linear(x, self.w, self.b)
 
 
+_weight_levels: dict[str, int] = {}
+
+
+def int8_weight_levels() -> int:
+    """127, or 63 where this process's int8 product saturates with full-range weights.
+
+    Without VNNI (AVX2, or oneDNN capped to it) the integer kernel multiplies unsigned 8-bit
+    activations (the signed ones shifted by 128) with signed 8-bit weights and adds pairs into
+    16 bits with saturation: 255 x 127 x 2 overflows 32767, while 255 x 64 x 2 does not. So
+    there the weights use 7 bits. Decided by a product whose exact result is known, once per
+    process (the kernel does not change within one)."""
+    key = torch.backends.cpu.get_cpu_capability()
+    if key not in _weight_levels:
+        x = torch.full((8, 256), 127, dtype=torch.int8)
+        w = torch.full((32, 256), 127, dtype=torch.int8)
+        exact = bool((torch._int_mm(x, w.t()) == 127 * 127 * 256).all())
+        _weight_levels[key] = 127 if exact else 63
+    return _weight_levels[key]
+
+
 class _Int8Dense:
     """y ~ x W^T (+ b) from int8 operands: W quantized once per output channel, x per row at
-    each call; both symmetric (scale = max |value| / 127, so rounding never overflows).
+    each call; both symmetric (scale = max |value| / levels, so rounding never overflows;
+    levels 127, or 63 for weights where the kernel would saturate: int8_weight_levels).
     Error per product: each operand is off by at most half a step, i.e. relative error of
-    order 1/254 per factor before accumulation (exact int32 sums)."""
+    order 1/254 (1/126) per factor before accumulation (exact int32 sums)."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None,
                  smooth: torch.Tensor | None = None):
         """`smooth`: [K] SmoothQuant factors s; W is stored as W s and x is read as x / s."""
         w = w.float() if smooth is None else w.float() * smooth
         self.inv = None if smooth is None else 1.0 / smooth
-        self.scale = w.abs().amax(1).clamp_(min=1e-12) / 127  # [N]
+        self.scale = w.abs().amax(1).clamp_(min=1e-12) / int8_weight_levels()  # [N]
         # stored [N, K] and passed transposed: the layout oneDNN's int8 product runs fastest on
         self.wq = (w / self.scale[:, None]).round_().to(torch.int8)
         self.b = None if b is None else b.float()
