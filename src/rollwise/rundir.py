@@ -106,6 +106,7 @@ class Run:
         self.resuming = resume
         self.keep = keep_checkpoints
         self.echo = echo
+        self._step_times: list[float] = []  # this process's step wall times (the eta)
         self.health = health or HealthCheck(patience=0)
         self.loggers = loggers
         self.metrics = MetricsWriter(self.root / "metrics.jsonl")
@@ -262,11 +263,21 @@ class Run:
         self.store.add_groups(step, groups)  # one transaction: the step's rows or none
         self._log(record)
         self.step = step
-        line = format_step_line(record)
+        line = format_step_line(record) + self._eta(seconds, step, num_steps)
         self.echo(line + (f" | WARNING: {'; '.join(problems)}" if problems else ""))
         if self.bar is not None:
             self.bar.advance(1)
         return record
+
+    def _eta(self, seconds: float, step: int, num_steps: int) -> str:
+        """' | eta 5m10s': the mean step time of this process so far times the steps left
+        (evaluations not included), so a slow machine shows after one step what is coming."""
+        self._step_times.append(seconds)
+        left = num_steps - step
+        if left <= 0:
+            return ""
+        eta = statistics.fmean(self._step_times) * left
+        return f" | eta {int(eta // 60)}m{int(eta % 60):02d}s"
 
     def record_eval(self, step: int, result: dict, before: bool = False, after: bool = False):
         record = {"kind": "eval", "step": step, "wall_time": self.counters["train_seconds"],
