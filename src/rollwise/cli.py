@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -159,6 +160,7 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
             _fail("give a config file, e.g. rollwise train configs/tiny_arith.toml")
         cfg = load_config(config, set_)
         root = Path(cfg.run.output_dir) / cfg.run.name
+        _check_output_dir(Path(cfg.run.output_dir))
     check_config(cfg)
     check_loggers(cfg.run.loggers)  # a missing extra is named before the model loads
     lock = RunLock(root) if resume is not None else None  # refuse a live run before loading
@@ -181,6 +183,17 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
         console.print(f"skipped {skipped} prompts longer than the context "
                       f"budget (counted in summary.json)", style="yellow")
     return cfg, root, (stages, run)
+
+
+def _check_output_dir(out: Path) -> None:
+    """Fail now, not after the model has loaded, when runs cannot be created under `out`."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"run.output_dir = '{out}': {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.output_dir = '{out}': {existing} is not writable")
 
 
 def _train(cfg: Config, opened) -> dict:
@@ -209,7 +222,10 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
         found = list_checkpoints(target / "checkpoints")
         if not found:
             _fail(f"{target} has no checkpoint to evaluate")
-        load_checkpoint(found[-1], stages.model)
+        try:
+            load_checkpoint(found[-1], stages.model)
+        except ValueError as e:
+            _fail(str(e))
         stages.engine.publish(stages.engine.version)  # a converted (rollout.dtype) copy
         console.print(f"evaluating {found[-1]}")
     result = stages.evaluate()
@@ -231,7 +247,13 @@ def report(path: Annotated[Path, typer.Argument(help="A run directory or a bench
 
 
 def main() -> None:
-    app()
+    """The console entry point: an operating-system failure anywhere (disk full, permission,
+    a file in the way) is one line with what to do, not a traceback."""
+    try:
+        app()
+    except OSError as e:
+        console.print(f"[bold red]error:[/] {os_error_message(e)}", highlight=False)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

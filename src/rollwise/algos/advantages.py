@@ -250,6 +250,11 @@ def call_estimator(fn, rewards: torch.Tensor, group_ids: torch.Tensor,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Call an estimator with those keyword `inputs` its signature names, plus `options`;
     returns (advantages, keep or None)."""
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:  # every estimator would spread a NaN over its group or batch
+        raise ValueError(f"non-finite rewards at rows {bad[:5]} (values "
+                         f"{[float(rewards[i]) for i in bad[:5]]}); a reward term returned NaN "
+                         "or inf")
     chosen = {k: v for k, v in inputs.items() if accepts(fn, k)}
     out = fn(rewards, group_ids, **chosen, **(options or {}))
     return out if isinstance(out, tuple) else (out, None)

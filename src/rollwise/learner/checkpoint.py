@@ -150,7 +150,13 @@ def save_checkpoint(folder: Path, model, learner_state: dict, state: dict, keep:
     _replace_dir(tmp, final)
     fsync_dir(folder)
     for old in list_checkpoints(folder)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        # renamed first: a kill during the removal must not leave a half-deleted step_N
+        # that still looks complete
+        doomed = old.with_name(f".del_{old.name}")
+        os.rename(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    for leftover in folder.glob(".del_step_*"):  # from a run killed while removing
+        shutil.rmtree(leftover, ignore_errors=True)
     return final
 
 

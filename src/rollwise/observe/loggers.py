@@ -101,6 +101,9 @@ class MlflowSink:
     """MLflow refuses '@' in metric names: `eval_pass@4` is logged as `eval_pass_at_4`."""
 
     def __init__(self, root: Path, run_name: str, config: dict):
+        # The file store keeps a run self-contained and needs no database packages; MLflow
+        # 3 asks for this opt-in to use it.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         import mlflow
 
         self.client = mlflow.MlflowClient(tracking_uri=(root / "mlruns").resolve().as_uri())

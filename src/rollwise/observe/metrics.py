@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,11 @@ class MetricsWriter:
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append `record` as one JSON line and flush it to the OS."""
+        """Append `record` as one JSON line and sync it to disk."""
         line = json.dumps(to_jsonable(record), ensure_ascii=False)
         self._file.write(line + "\n")
         self._file.flush()
+        os.fsync(self._file.fileno())  # on disk before the checkpoint that follows it
 
     def drop_after(self, step: int) -> int:
         """Remove records whose `step` is > `step` (resume from a checkpoint); return the count."""
@@ -78,6 +80,8 @@ class MetricsWriter:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with tmp.open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(self.path)
         self._file = self.path.open("a", encoding="utf-8")
         return len(records) - len(kept)

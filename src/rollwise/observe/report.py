@@ -18,6 +18,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from rollwise.atomic import atomic_write_text
 from rollwise.observe import html, plots
 from rollwise.observe.metrics import METRICS_FILE, number, read_metrics
 from rollwise.replay import TrajectoryStore
@@ -51,7 +52,7 @@ def write_report(run_dir: Path) -> Path:
         body.append(f"<h2>Config</h2><pre>{escape(text)}</pre>")
 
     out = run_dir / "report.html"
-    out.write_text(html.page(f"rollwise run {name}", "\n".join(body)), encoding="utf-8")
+    atomic_write_text(out, html.page(f"rollwise run {name}", "\n".join(body)))
     return out
 
 

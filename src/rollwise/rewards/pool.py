@@ -67,8 +67,15 @@ def _serve(conn, specs: list[RewardSpec]) -> None:
 
     close_inherited()  # never keep the parent's run directory locked
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
     while True:
         try:
+            # Sibling workers forked later hold copies of this pipe's other end, so a dead
+            # parent does not always mean end-of-file here: check who the parent is.
+            if not conn.poll(1.0):
+                if os.getppid() != parent:
+                    return
+                continue
             msg = conn.recv()
         except (EOFError, OSError):
             return

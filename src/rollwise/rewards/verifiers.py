@@ -67,7 +67,11 @@ def final_number(completion: str, sample: Sample) -> float:
     gold = last_number(sample.answer)
     if gold is None:
         raise ValueError(f"sample {sample.id!r}: answer {sample.answer!r} holds no number")
-    return 1.0 if last_number(completion) == gold else 0.0
+    try:
+        found = last_number(completion)
+    except ValueError:  # a number past Python's int-string limit (4300 digits): not the answer
+        return 0.0
+    return 1.0 if found == gold else 0.0
 
 
 def after_marker(completion: str, marker: str = "####") -> str:

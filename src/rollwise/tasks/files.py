@@ -64,14 +64,21 @@ def _describe(value: Any) -> str:
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(place, row) for each non-blank line; place is "path:line"."""
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # bytes: a bad UTF-8 sequence is named by its line
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{path}:{number}: not UTF-8 text (byte {err.start}: "
+                                   f"{raw[err.start:err.start + 1]!r})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DatasetError(f"{path}:{number}: invalid JSON: {err.msg}") from None
+            except RecursionError:
+                raise DatasetError(f"{path}:{number}: JSON nested too deeply") from None
             yield f"{path}:{number}", row
 
 
@@ -100,6 +107,18 @@ def _table_rows(path: Path, split: str, columns: list[str]) -> Iterator[tuple[st
         yield f"{path}: row {index}", row
 
 
+def _guarded(rows: Iterator[tuple[str, Any]], path: Path) -> Iterator[tuple[str, Any]]:
+    """Rows of a table reader, whose library errors on a damaged file (pyarrow's, datasets')
+    become one DatasetError naming the file."""
+    try:
+        yield from rows
+    except DatasetError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the readers raise many kinds
+        raise DatasetError(f"{path}: cannot be read as a table ({type(err).__name__}: "
+                           f"{str(err)[:200]})") from None
+
+
 def load_samples(
     path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
     split: str = "train", chat: bool = False, name: str = "file",
@@ -112,7 +131,7 @@ def load_samples(
     if not path.exists():
         raise DatasetError(f"{path}: no such file or directory")
     if path.is_dir() or path.suffix == ".parquet":
-        rows = _table_rows(path, split, [prompt_key, answer_key])
+        rows = _guarded(_table_rows(path, split, [prompt_key, answer_key]), path)
     elif path.suffix == ".jsonl":
         rows = _jsonl_rows(path)
     else:

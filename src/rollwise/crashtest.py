@@ -1,0 +1,187 @@
+"""The crash-test harness: kill a tiny run at random instants, resume it, compare.
+
+    report = crash_test(cfg, kills=30, seed=0, workdir=Path("/tmp/crash"))
+
+The stages are built once here; every run is a forked child that inherits that pristine
+copy (exactly what a fresh process would build, without the seconds of imports and
+model loading), so hundreds of kills fit in minutes. One child trains the reference
+run uninterrupted. Then, round after round, a child trains a new run directory with
+`--resume` semantics and is sent SIGKILL or SIGINT after a random delay (anywhere in
+rollout, scoring, the update, an evaluation, a checkpoint write, the report); the next
+child resumes it; a round ends when a child finishes. Each finished round must have:
+
+- every step's metrics equal to the reference's (timings aside),
+- every completed trajectory stored exactly once, equal to the reference's,
+- `summary.json` counters that add up to the per-step records.
+
+`scripts/crash_harness.py` runs it from the command line for longer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollwise.config import Config
+
+VOLATILE = ("time", "seconds", "per_s")  # metric names holding wall-clock figures
+
+
+@dataclass
+class CrashReport:
+    kills: int = 0
+    sigkills: int = 0
+    sigints: int = 0
+    rounds: int = 0
+    resumes: int = 0
+    reference_seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _child(stages, root: Path, cfg: Config, resume: bool) -> None:
+    """Body of a forked child: train `root` to the end; never returns (an exception must
+    not climb into the copy of the harness's own stack)."""
+    code = 1
+    try:
+        try:
+            from rollwise.loop import train
+            from rollwise.rundir import Run
+
+            run = Run(root, resume=resume, echo=lambda s: None,
+                      keep_checkpoints=cfg.run.keep_checkpoints)
+            train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
+                  eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # finished: a late Ctrl-C is moot
+            code = 0
+        except KeyboardInterrupt:
+            code = 130
+        except BaseException as e:  # noqa: BLE001 - reported by exit code and a file
+            (root.parent / f"{root.name}.error").write_text(f"{type(e).__name__}: {e}")
+    except KeyboardInterrupt:  # a signal while handling the first one
+        code = 130
+    finally:
+        os._exit(code)
+
+
+def _spawn(stages, root: Path, cfg: Config, resume: bool) -> int:
+    pid = os.fork()
+    if pid == 0:
+        _child(stages, root, cfg, resume)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def stable(record: dict) -> dict:
+    """A metrics record without its wall-clock figures (names with time, seconds, per_s,
+    or ending in _s)."""
+    return {k: v for k, v in record.items()
+            if not (k.endswith("_s") or any(s in k for s in VOLATILE))}
+
+
+def read_run(root: Path) -> tuple[list[dict], list[tuple], dict]:
+    """(stable metrics records, stored trajectories as rows, summary) of a run directory."""
+    records = [stable(json.loads(x)) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    conn = sqlite3.connect(root / "trajectories.sqlite")
+    try:
+        rows = conn.execute("SELECT step, group_idx, traj_idx, sample_id, response_ids, reward,"
+                            " text FROM trajectories ORDER BY step, group_idx, traj_idx"
+                            ).fetchall()
+    finally:
+        conn.close()
+    return records, rows, json.loads((root / "summary.json").read_text())
+
+
+def compare(root: Path, reference: tuple[list[dict], list[tuple], dict]) -> list[str]:
+    """What differs between a crashed-and-resumed run and the reference ([] if nothing)."""
+    records, rows, summary = read_run(root)
+    ref_records, ref_rows, _ = reference
+    out = []
+    if records != ref_records:
+        diff = next((i for i, (a, b) in enumerate(zip(records, ref_records)) if a != b),
+                    min(len(records), len(ref_records)))
+        out.append(f"{root.name}: metrics differ from line {diff + 1} "
+                   f"({len(records)} lines vs {len(ref_records)})")
+    keys = [r[:3] for r in rows]
+    if len(set(keys)) != len(keys):
+        out.append(f"{root.name}: {len(keys) - len(set(keys))} duplicated trajectories")
+    if rows != ref_rows:
+        out.append(f"{root.name}: stored trajectories differ ({len(rows)} vs {len(ref_rows)})")
+    train = [r for r in records if r.get("kind") == "train"]
+    sums = {"rollouts": sum(r["step_rollouts"] for r in train),
+            "tokens": sum(r["step_tokens"] for r in train),
+            "reward_errors": sum(r["reward_errors"] for r in train), "steps": len(train)}
+    for key, total in sums.items():
+        if summary.get(key) != total:
+            out.append(f"{root.name}: summary {key} = {summary.get(key)}, steps add to {total}")
+    return out
+
+
+def crash_test(cfg: Config, kills: int, seed: int, workdir: Path,
+               sigint_share: float = 0.3, log=lambda s: None) -> CrashReport:
+    """Run the harness (see the module docstring) with at least `kills` kills."""
+    from rollwise.build import build
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    stages = build(cfg)
+    report = CrashReport()
+    start = time.perf_counter()
+    ref_root = workdir / "reference"
+    if (code := _wait(_spawn(stages, ref_root, cfg, resume=False))) != 0:
+        raise RuntimeError(f"reference run failed ({code}): "
+                           f"{(workdir / 'reference.error').read_text()[:500]}")
+    report.reference_seconds = time.perf_counter() - start
+    reference = read_run(ref_root)
+    rng = random.Random(seed)
+    while report.kills < kills:
+        report.rounds += 1
+        root = workdir / f"round_{report.rounds}"
+        _crash_round(stages, root, cfg, rng, report, sigint_share, kills)
+        failures = compare(root, reference)
+        report.failures += failures
+        log(f"round {report.rounds}: {report.kills} kills so far"
+            + (f"; FAILED: {failures}" if failures else ""))
+    return report
+
+
+def _crash_round(stages, root: Path, cfg: Config, rng: random.Random, report: CrashReport,
+                 sigint_share: float, kills: int) -> None:
+    """Kill and resume one run directory until a child finishes it."""
+    resume = False
+    while True:
+        pid = _spawn(stages, root, cfg, resume=resume)
+        report.resumes += resume
+        code = None
+        if report.kills < kills:
+            time.sleep(rng.uniform(0.0, 1.1 * report.reference_seconds))
+            sig = signal.SIGINT if rng.random() < sigint_share else signal.SIGKILL
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:  # it finished before the signal
+                code = os.waitstatus_to_exitcode(status)
+            else:
+                os.kill(pid, sig)
+                report.kills += 1
+                report.sigints += sig == signal.SIGINT
+                report.sigkills += sig == signal.SIGKILL
+        if code is None:
+            code = _wait(pid)
+        if code == 0:
+            return
+        if code == 1:
+            error = (root.parent / f"{root.name}.error").read_text()
+            report.failures.append(f"{root.name}: a run failed: {error[:300]}")
+            return
+        resume = True
