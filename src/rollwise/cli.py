@@ -233,10 +233,25 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
 
 
 @app.command()
-def report(path: Annotated[Path, typer.Argument(help="A run directory or a benchmark JSON.")]):
-    """Write the HTML report of a run directory or a benchmark JSON file."""
+def report(path: Annotated[Path, typer.Argument(help="A run directory or a benchmark JSON.")],
+           compare: Annotated[list[Path] | None, typer.Option(
+               "--compare", help="Other run directories to overlay with PATH (repeatable); "
+               "writes compare.html (see --out).")] = None,
+           out: Annotated[Path, typer.Option(help="Where --compare writes its page.")] = Path(
+               "compare.html")):
+    """Write the HTML report of a run directory or a benchmark JSON file, or (--compare) one
+    page overlaying the accuracy and reward of several runs vs step and wall time."""
     from rollwise.observe import write_bench_report, write_report
 
+    if compare:
+        from rollwise.observe.completions import write_compare
+
+        runs = [path, *compare]
+        missing = [r for r in runs if not (r / "metrics.jsonl").is_file()]
+        if missing:
+            _fail(f"{missing[0]}: not a run directory (no metrics.jsonl)")
+        console.print(f"comparison: {write_compare(runs, out)}")
+        return
     if path.is_dir():
         out = write_report(path)
     elif path.suffix == ".json" and path.is_file():
@@ -244,6 +259,25 @@ def report(path: Annotated[Path, typer.Argument(help="A run directory or a bench
     else:
         _fail(f"{path}: expected a run directory or a benchmark .json file")
     console.print(f"report: {out}")
+
+
+@app.command("export")
+def export_model(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+                 out_dir: Annotated[Path, typer.Argument(help="A new folder to write.")],
+                 step: Annotated[int | None, typer.Option(
+                     help="The checkpoint's step (default: the latest).")] = None):
+    """Write a run's model as a Hugging Face folder (config.json, safetensors, tokenizer,
+    chat template; LoRA merged) that AutoModelForCausalLM.from_pretrained loads."""
+    from rollwise.export import export
+
+    if not (run_dir / "config.toml").is_file():
+        _fail(f"{run_dir}: not a run directory (no config.toml)")
+    try:
+        checkpoint = export(run_dir, out_dir, step)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    console.print(f"exported {checkpoint} -> {out_dir} (load it with "
+                  f"AutoModelForCausalLM.from_pretrained('{out_dir}'))", highlight=False)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from rollwise.atomic import atomic_write_text
 from rollwise.observe import html, plots
+from rollwise.observe.completions import completions_section
 from rollwise.observe.metrics import METRICS_FILE, number, read_metrics
 from rollwise.replay import TrajectoryStore
 
@@ -43,6 +44,7 @@ def write_report(run_dir: Path) -> Path:
         body.append('<h2>Plots</h2><div class="figures">')
         body.extend(html.figure(png, caption) for caption, png in figures)
         body.append("</div>")
+    body.append(completions_section(run_dir / STORE_FILE))
     if train:
         last = {k: v for k, v in train[-1].items() if number(train[-1], k) is not None}
         body.append(f"<h2>Last training step</h2>{html.kv_table(last)}")
