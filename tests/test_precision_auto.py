@@ -15,6 +15,7 @@ from rollwise import precision as P
 from rollwise.precision import ModelShapes, Probe
 
 pytestmark = pytest.mark.precision
+SHAPES = ModelShapes(576, 1536, 960)  # SmolLM2-135M's
 CAP_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
@@ -47,7 +48,7 @@ def test_choice_per_cpu_kind(kind, monkeypatch) -> None:
     monkeypatch.delenv("ROLLWISE_AUTO_PRECISION", raising=False)
     probe, want = KINDS[kind]
     monkeypatch.setattr(P, "probe", lambda shapes, **kw: probe)
-    got = P.resolve("auto", "auto", "auto", shapes=ModelShapes(64, 128, 96))
+    got = P.resolve("auto", "auto", "auto", shapes=SHAPES)
     assert (got.rollout, got.learner, got.correction) == want
     assert got.source == {"rollout": "auto", "learner": "auto", "correction": "auto"}
     line = got.line()
@@ -59,7 +60,7 @@ def test_explicit_settings_win_and_correction_follows(monkeypatch) -> None:
     monkeypatch.delenv("ROLLWISE_AUTO_PRECISION", raising=False)
     probe, _ = KINDS["avx512_bf16"]
     monkeypatch.setattr(P, "probe", lambda shapes, **kw: probe)
-    shapes = ModelShapes(64, 128, 96)
+    shapes = SHAPES
     got = P.resolve("float32", "auto", "auto", shapes=shapes)
     assert (got.rollout, got.learner, got.correction) == ("float32", "bf16-autocast", "tis")
     got = P.resolve("float32", "float32", "auto", shapes=shapes)
@@ -70,10 +71,18 @@ def test_explicit_settings_win_and_correction_follows(monkeypatch) -> None:
     assert P.resolve("auto", "float32", "auto", shapes=shapes, engine="hf").rollout == "float32"
 
 
+def test_small_models_stay_float32(monkeypatch) -> None:
+    """A tiny model's step is overhead, not products: float32 whatever the probe says."""
+    monkeypatch.delenv("ROLLWISE_AUTO_PRECISION", raising=False)
+    monkeypatch.setattr(P, "probe", lambda *a, **k: KINDS["avx512_bf16"][0])
+    got = P.resolve("auto", "auto", "auto", shapes=ModelShapes(128, 512, 256))
+    assert (got.rollout, got.learner, got.correction) == ("float32", "float32", "none")
+
+
 def test_env_override_means_float32_without_probing(monkeypatch) -> None:
     monkeypatch.setenv("ROLLWISE_AUTO_PRECISION", "float32")
     monkeypatch.setattr(P, "probe", lambda *a, **k: pytest.fail("probed"))
-    got = P.resolve("auto", "auto", "auto", shapes=ModelShapes(64, 128, 96))
+    got = P.resolve("auto", "auto", "auto", shapes=SHAPES)
     assert (got.rollout, got.learner, got.correction) == ("float32", "float32", "none")
 
 

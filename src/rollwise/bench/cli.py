@@ -29,8 +29,8 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
             fixed_tokens: Annotated[int, typer.Option(help="Fixed workload: tokens.")] = 64,
             reps: Annotated[int, typer.Option(help="Alternating repetitions per side.")] = 3,
             dtype: Annotated[list[str] | None, typer.Option(
-                help="Native engine dtype: float32 and/or bfloat16 (repeatable: the precision "
-                "axis; default float32).")] = None,
+                help="Native engine dtype: float32, bfloat16, int8 or auto (what training "
+                "picks on this machine); repeatable: the precision axis; default float32.")] = None,
             workload: Annotated[list[str] | None, typer.Option(
                 help="natural and/or fixed (repeatable; default both).")] = None,
             device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -48,14 +48,18 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
                 ["workload", "engine", "tokens_per_s", "wall_s", "generated_tokens",
                  "forward_passes", "latency_p50_s", "latency_p99_s", "slot_waste", "roofline",
                  "decode_roofline"])
+    if data.get("auto_dtype"):
+        typer.echo(f"auto = {data['auto_dtype']} on this machine")
     for r in data["ratios"]:
+        vs32 = (f"; / native float32 = {r['over_native_float32']:.2f}x"
+                if "over_native_float32" in r else "")
         typer.echo(f"{r['workload']}: {r['engine']} / hf tokens/s = "
-                   f"{r['native_over_hf_tokens_per_s']:.2f}x (median of {len(r['per_rep'])})")
+                   f"{r['native_over_hf_tokens_per_s']:.2f}x{vs32} (median of {len(r['per_rep'])})")
     c = data["checks"]
     for d in data["dtypes"]:
         typer.echo(f"checks {d}: greedy identical to float32 generate on "
                    f"{c[f'greedy_identical_{d}']:.0%} of {c['greedy_prompts']} prompts; |log-prob "
-                   f"error| vs a {d} forward: max {c[f'max_logprob_error_{d}']:.2e}, mean "
+                   f"error| vs a {'float32' if d == 'int8' else d} forward: max {c[f'max_logprob_error_{d}']:.2e}, mean "
                    f"{c[f'mean_logprob_error_{d}']:.2e}; publish {data['publish_seconds'][d]:.3f}s")
     page = write_results(data, json)
     if page:

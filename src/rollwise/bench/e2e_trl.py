@@ -4,8 +4,9 @@ TRL (an optional extra: `pip install 'rollwise[trl]'`) trains the same model (fo
 rollwise's converted directory), on the same task's training prompts as chat messages, with
 the same group size, prompts per step, completion budget, temperature and learning rate, no
 KL term (beta 0, as in the config when kl_coef is 0), full fine-tune. Its learner runs in
-TRL's fastest working CPU configuration by default: bf16 autocast when the rollwise config
-uses bf16-autocast, activation checkpointing off (`trl_options` overrides any GRPOConfig
+TRL's fastest working CPU configuration by default: bf16 autocast when rollwise's learner
+precision resolves to bf16-autocast on this machine (native bfloat16), else float32;
+activation checkpointing off (`trl_options` overrides any GRPOConfig
 field, e.g. gradient_checkpointing=True for TRL's default).
 
 Alternation in one process: TRL's own training loop runs, and a callback at the end of each
@@ -68,8 +69,10 @@ def trl_reward(stages) -> Callable:
     return correct
 
 
-def trl_config(cfg, out: Path, steps: int, options: dict[str, Any]):
-    """GRPOConfig at the rollwise config's settings (see the module docstring)."""
+def trl_config(cfg, out: Path, steps: int, options: dict[str, Any], learner_precision: str):
+    """GRPOConfig at the rollwise config's settings (see the module docstring);
+    `learner_precision`: what rollwise's learner resolved to (auto: per machine), so TRL
+    gets bf16 autocast exactly where it is native and fast."""
     from trl import GRPOConfig
 
     r, lc = cfg.rollout, cfg.learner
@@ -79,7 +82,7 @@ def trl_config(cfg, out: Path, steps: int, options: dict[str, Any]):
         "gradient_accumulation_steps": 1, "num_generations": r.group_size,
         "max_completion_length": r.max_tokens, "temperature": r.temperature or 1.0,
         "learning_rate": lc.lr, "beta": cfg.algorithm.kl_coef, "max_steps": steps,
-        "use_cpu": True, "bf16": lc.precision == "bf16-autocast",
+        "use_cpu": True, "bf16": learner_precision == "bf16-autocast",
         "gradient_checkpointing": False, "logging_steps": 1, "report_to": "none",
         "save_strategy": "no", "seed": cfg.run.seed, "max_grad_norm": lc.grad_clip,
         "warmup_steps": lc.warmup_steps, "lr_scheduler_type": lc.lr_schedule,
@@ -125,7 +128,8 @@ def run_vs_trl(path: Path, variants: dict[str, tuple[str, ...]], *, steps: int =
     cfg = variant_config(path, "trl", (), out, extra, num_steps=rounds)
     model, tokenizer = _trl_model(cfg, sides[0].stages)
     trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(sides[0].stages),
-                          args=trl_config(cfg, out, rounds, trl_options or {}),
+                          args=trl_config(cfg, out, rounds, trl_options or {},
+                                          sides[0].stages.info["precision"]["learner"]),
                           train_dataset=trl_dataset(sides[0].stages), processing_class=tokenizer)
     gen, prep = [], []
     _timed(trainer, "_generate", gen)

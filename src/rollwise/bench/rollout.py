@@ -5,9 +5,12 @@ Workloads (BENCHMARKS.md): `natural` (16 prompts x 8 samples, temperature 1, sto
 max 256 tokens) and `fixed` (64 sequences x 64 tokens, EOS ignored: a clean tokens/s and
 the roofline fraction against the measured matrix-multiply peak of the same dtype).
 
-The precision axis: one native engine per dtype (`dtypes`, e.g. float32 and bfloat16), all
-against float32 `generate`, alternating in the same process; `publish_seconds` is the time
-of one weight conversion from the float32 master copy (0 for float32: weights in place).
+The precision axis: one native engine per dtype (`dtypes`: float32, bfloat16, int8, or
+`auto`, which is resolved to what training would pick on this machine), all against float32
+`generate` and against the float32 native engine when it is among them, alternating in the
+same process; `publish_seconds` is the time of one weight conversion from the float32 master
+copy (0 for float32: weights in place). int8's roofline is against the int8 product's peak
+(GOP/s) and its log-prob check against the float32 model (the mismatch TIS corrects).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def _checks(policy, engines: dict[str, NativeEngine], hf: HFEngine,
         sampled = engine.generate(prompts[:4], SamplingParams(n=2, temperature=1.0,
                                                               max_tokens=48, seed=1))
         model = policy.model
-        if dtype != str(next(model.parameters()).dtype).split(".")[-1]:
+        if dtype not in ("int8", str(next(model.parameters()).dtype).split(".")[-1]):
             model = copy.deepcopy(model).to(getattr(torch, dtype))
         errs = []
         with torch.no_grad():
@@ -130,6 +133,13 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
     alternate within a repetition (the first rotates); every roofline is against the
     matrix-multiply peak of its own dtype, measured in this run."""
     policy, ids = load_workload(model, max(prompts, fixed_batch), seed, device)
+    auto = None
+    if "auto" in dtypes:  # what training would pick here (rollwise.precision)
+        from rollwise.precision import ModelShapes, resolve
+
+        auto = resolve("auto", "float32", "none", shapes=ModelShapes.of(policy.model),
+                       device=device).rollout
+        dtypes = tuple(dict.fromkeys(auto if d == "auto" else d for d in dtypes))
     natives = {d: NativeEngine(policy.model, dtype=getattr(torch, d), device=device,
                                eos_token_ids=policy.stop_ids,
                                max_num_seqs=max(prompts * n, fixed_batch)) for d in dtypes}
@@ -167,9 +177,15 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
             rows.append(_summarise(side, w, runs[side], params_count, peaks[d]) | {"dtype": d})
             per_rep = [(b["generated_tokens"] / b["wall_s"]) / (a["generated_tokens"] / a["wall_s"])
                        for a, b in zip(runs["hf"], runs[side])]
-            ratios.append({"workload": w, "engine": side, "dtype": d,
-                           "native_over_hf_tokens_per_s": median(per_rep), "per_rep": per_rep})
+            ratio = {"workload": w, "engine": side, "dtype": d,
+                     "native_over_hf_tokens_per_s": median(per_rep), "per_rep": per_rep}
+            if "float32" in dtypes and d != "float32":
+                vs32 = [(b["generated_tokens"] / b["wall_s"]) / (a["generated_tokens"] / a["wall_s"])
+                        for a, b in zip(runs["native-float32"], runs[side])]
+                ratio |= {"over_native_float32": median(vs32), "over_native_float32_per_rep": vs32}
+            ratios.append(ratio)
     return {"benchmark": "rollout", "model": model, "dtypes": list(dtypes), "device": device,
+            "auto_dtype": auto,
             "threads": torch.get_num_threads(), "parameters": params_count, "reps": reps,
             "matmul_peak_gflops": peaks, "results": rows, "ratios": ratios,
             "publish_seconds": {d: e.decoder.refresh() for d, e in natives.items()},
