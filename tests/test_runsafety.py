@@ -155,6 +155,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
     ("task.num_train=2", "task.num_train"),
     ("run.device='cuda:7'", "run.device"),
     ("run.device='tpu'", "run.device"),
+    ("rollout.group_size=1", "rollout.group_size"),
 ])
 def test_bad_values_are_named_before_any_model_loads(tmp_path, override, key, monkeypatch):
     import rollwise.build
@@ -246,3 +247,13 @@ def test_checkpoints_are_on_by_default():
     cfg = load_config(None)
     assert cfg.run.checkpoint_every > 0 and cfg.run.checkpoint_minutes > 0
     assert cfg.run.keep_checkpoints == 2
+
+
+def test_non_utf8_bytes_in_a_data_file_name_the_file_and_line(tmp_path):
+    """Regression: the error named neither the file nor the line."""
+    from rollwise.tasks import DatasetError, load_samples
+
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": 1}\n')
+    with pytest.raises(DatasetError, match=rf"{data}:2: not UTF-8 text \(byte 15"):
+        load_samples(data)

@@ -226,6 +226,13 @@ def build(cfg: Config) -> Stages:
     task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
                      chat=chat, path=t.path, **t.options)
     _check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
+    specs = [RewardSpec(name, task.verifier if name == "correct" else get_verifier(name), w)
+             for name, w in t.rewards.items() if name not in GROUP_REWARDS]
+    # Verifier worker processes are forked before the model exists: forked later, each would
+    # keep a copy-on-write copy of every page training then writes (weights, KV cache).
+    train_pool = RewardPool(specs, timeout_s=t.reward_timeout_s).start()
+    eval_pool = RewardPool([RewardSpec("correct", task.verifier)],
+                           timeout_s=t.reward_timeout_s).start()
     policy = build_policy(cfg, task)
     r, e, a, lc = cfg.rollout, cfg.eval, cfg.algorithm, cfg.learner
     train_prompts, skipped = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
@@ -236,8 +243,6 @@ def build(cfg: Config) -> Stages:
     precision = _precision(cfg, policy)
     engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
                            precision.rollout)
-    specs = [RewardSpec(name, task.verifier if name == "correct" else get_verifier(name), w)
-             for name, w in t.rewards.items() if name not in GROUP_REWARDS]
     group_terms = _group_terms(cfg)
     loss_options = {k: v for k, v in {"clip_low": a.clip_low, "clip_high": a.clip_high,
                                       "dual_clip": a.dual_clip}.items() if v is not None}
@@ -259,7 +264,7 @@ def build(cfg: Config) -> Stages:
         engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens,
                              precision.rollout, weights_from=engine),
         prompts=eval_prompts,
-        pool=RewardPool([RewardSpec("correct", task.verifier)], timeout_s=t.reward_timeout_s),
+        pool=eval_pool,
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
         temperature=r.temperature or 1.0, chunk=e.batch_size)
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
@@ -269,7 +274,7 @@ def build(cfg: Config) -> Stages:
         policy=policy, task=task, sampler=sampler, control=_build_control(cfg, sampler),
         engine=engine, sampling=sampling,
         scheduler=_build_scheduler(cfg, engine, sampling, policy.decode),
-        rewards=RewardPool(specs, timeout_s=t.reward_timeout_s),
+        rewards=train_pool,
         learner=learner, evaluator=evaluator,
         advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
         filter_zero_variance=a.filter_zero_variance,

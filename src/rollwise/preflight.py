@@ -71,8 +71,16 @@ def _check_task_and_model(cfg: Config) -> None:
                           f"(rollout.prompts_per_step = {cfg.rollout.prompts_per_step})")
 
 
+GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "drpo", "pass_at_k")
+
+
 def _check_combinations(cfg: Config) -> None:
     r = cfg.rollout
+    if r.group_size == 1 and cfg.algorithm.advantage in GROUP_BASELINES:
+        raise ConfigError(f"rollout.group_size = 1: advantage '{cfg.algorithm.advantage}' "
+                          "compares the responses within a group, so every advantage would "
+                          "be 0 and nothing learned; use group_size >= 2 (or a batch baseline, "
+                          "algorithm.advantage = 'reinforce_pp')")
     if "partial" in r.strategy and cfg.control.allocator != "uniform":
         raise ConfigError(f"rollout.strategy='{r.strategy}' returns groups from earlier steps "
                           f"in place of requested ones, which control.allocator="

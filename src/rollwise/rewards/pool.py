@@ -8,8 +8,9 @@ place, so the pool keeps its capacity and nothing leaks.
 
 Why `fork`: the verifiers are plain callables, lambdas and closures included; a forked
 worker inherits them, so nothing but the (text, sample) of each call and its score cross
-the pipe, in microseconds. Workers start at the first `score` call of a process (a pool
-copied into a forked process starts its own), ignore SIGINT (Ctrl-C is the driver's to
+the pipe, in microseconds. Workers start with `start()` or the first `score` call of a
+process (a pool copied into a forked process starts its own): `build` starts them before
+the model loads, so they do not hold copy-on-write copies of its pages. They ignore SIGINT (Ctrl-C is the driver's to
 handle), and exit when the pool closes or its process dies (their pipe closes).
 Where `fork` does not exist (Windows) the `spawn` method is used and verifiers must be
 importable functions.
@@ -174,6 +175,12 @@ class RewardPool:
         while len(self._workers) < self.num_workers:
             self._workers.append(self._spawn())
         return self._workers
+
+    def start(self) -> RewardPool:
+        """Fork the workers now (else the first `score` does); returns the pool."""
+        with self._lock:
+            self._ready_workers()
+        return self
 
     def _spawn(self) -> _Worker:
         self.workers_started += 1
