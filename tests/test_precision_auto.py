@@ -167,3 +167,14 @@ def test_this_process_runs_capped() -> None:
     native bfloat16, so `auto` takes the path AVX2 users get."""
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert not P.native_bf16(P.cpu_flags(), torch.backends.cpu.get_cpu_capability())
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_cuda_picks_bfloat16_where_the_device_supports_it(monkeypatch, bf16) -> None:
+    monkeypatch.delenv("ROLLWISE_AUTO_PRECISION", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    monkeypatch.setattr(P, "probe", lambda *a, **k: pytest.fail("no CPU probe for CUDA"))
+    got = P.resolve("auto", "auto", "auto", shapes=SHAPES, device="cuda")
+    want = ("bfloat16", "bf16-autocast", "tis") if bf16 else ("float32", "float32", "none")
+    assert (got.rollout, got.learner, got.correction) == want

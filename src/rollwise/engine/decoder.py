@@ -27,8 +27,9 @@ a converted copy, taken at each policy publication (docs/precision.md):
   SmoothQuant's migration (alpha 0.5) moves part of each channel's range into the weights:
   x W^T = (x / s)(W s)^T with s_j = sqrt(max|x_j| / max|W_:,j|), max|x_j| measured at each
   publication by one float32 pass of the model body over fixed pseudo-random tokens.
-  down_proj (the largest outliers) and the output layer stay float32. Mismatch against
-  float32 and the alternatives measured: docs/precision.md.
+  down_proj (whose input carries the largest outliers) stays float32. Where the integer
+  kernel would saturate (no VNNI), weights use 7 bits (`int8_weight_levels`). Mismatch
+  against float32 and the alternatives measured: docs/precision.md.
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ class Decoder:
 
     def _int8_inputs(self) -> list[nn.Module]:
         """The first projection of each int8 group (the group's input is read through it);
-        down_proj and the output layer stay float32."""
+        down_proj, whose input carries the largest outliers, stays float32."""
         return [self.lm_head] + [layer.self_attn.q_proj for layer in self.layers] + [
             layer.self_attn.o_proj for layer in self.layers] + [
             layer.mlp.gate_proj for layer in self.layers]
