@@ -86,10 +86,12 @@ def _check_combinations(cfg: Config) -> None:
                           f"in place of requested ones, which control.allocator="
                           f"'{cfg.control.allocator}' does not expect; use the uniform "
                           "allocator with partial rollouts")
-    if r.engine == "hf" and (r.strategy not in ("sync", "continuous") or r.spec_group
-                             or r.spec_reuse):
-        raise ConfigError("rollout.strategy / spec_group / spec_reuse beyond 'sync' and "
-                          "'continuous' need the native engine (rollout.engine='native')")
+    needs = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
+        "sync", "continuous"), "rollout.spec_group": r.spec_group,
+        "rollout.spec_reuse": r.spec_reuse}.items() if on]
+    if r.engine == "hf" and needs:
+        raise ConfigError(f"{', '.join(needs)} needs the native engine "
+                          "(rollout.engine='native')")
 
 
 def check_device(device: str) -> None:
