@@ -308,8 +308,9 @@ def test_converted_path_covers_biases_qk_norms_and_lora(kind, tiny_llama) -> Non
 
 
 def test_bench_e2e_precision_axis_and_learner_bench(tmp_path) -> None:
-    """`rollwise bench e2e --precision` steps float32 against bfloat16 + TIS (the latter
-    logs its mismatch); `rollwise bench learner` times each precision on one batch."""
+    """`rollwise bench e2e --precision` steps float32 against bfloat16 + TIS and int8 + TIS
+    (the latter two log their mismatch); `rollwise bench learner` times each variant on one
+    batch."""
     from typer.testing import CliRunner
 
     from rollwise.bench import learner as bench_learner
@@ -323,8 +324,8 @@ def test_bench_e2e_precision_axis_and_learner_bench(tmp_path) -> None:
                                       str(out), *[x for s in small for x in ("--set", s)]])
     assert result.exit_code == 0, result.output
     split = json.loads(out.read_text())["step_split"][0]
-    assert [r["variant"] for r in split["variants"]] == ["float32", "bfloat16"]
-    assert set(split["ratios"]) == {"float32_over_bfloat16"}
+    assert [r["variant"] for r in split["variants"]] == ["float32", "bfloat16", "int8"]
+    assert set(split["ratios"]) == {"float32_over_bfloat16", "float32_over_int8"}
     data = bench_learner.run("tiny", prompts=2, n=4, max_tokens=8, reps=1)
     assert [r["variant"] for r in data["variants"]] == list(bench_learner.VARIANTS)
     assert data["rows"] == 8 and all(r["update_s"] > 0 for r in data["variants"])

@@ -26,12 +26,12 @@ from rollwise.engine.base import Engine, SamplingParams
 from rollwise.evaluate import Evaluator
 from rollwise.learner import Learner, prepare_batch
 from rollwise.models import Policy, load_policy
+from rollwise.precision import ModelShapes, PrecisionChoice
+from rollwise.precision import resolve as resolve_precision
 from rollwise.rewards import RewardPool, RewardSpec, RewardStats, get_verifier
 from rollwise.rewards.filters import drop_zero_variance
 from rollwise.rewards.group import GROUP_REWARDS, GroupTerm, apply_group_rewards, get_group_reward
 from rollwise.rollout import RolloutScheduler, generate_groups, summarize_rollout
-from rollwise.precision import ModelShapes, PrecisionChoice
-from rollwise.precision import resolve as resolve_precision
 from rollwise.runtime import configure as configure_runtime
 from rollwise.tasks import Task, make_task
 from rollwise.types import Batch, Group, Sample

@@ -168,6 +168,7 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
                   f"{cfg.task.name}, {cfg.run.num_steps} steps -> "
                   f"{root if resume is not None else Path(cfg.run.output_dir)}", highlight=False)
     stages = build(cfg)
+    console.print(stages.info["precision_line"], highlight=False, soft_wrap=True)
     if lock is None:
         root, lock = _claim_run_dir(cfg)
     loggers = make_loggers(cfg.run.loggers, root, cfg.run.name, cfg.model_dump(),

@@ -44,11 +44,11 @@ def matmul_peak_gflops(dtype: torch.dtype, size: int = 2048, reps: int = 5,
     if dtype == torch.int8:
         a = torch.randint(-63, 64, (size, size), dtype=torch.int8, device=device)
         b = torch.randint(-63, 64, (size, size), dtype=torch.int8, device=device).t()
-        product = lambda: torch._int_mm(a, b)  # noqa: E731
+        product = lambda: torch._int_mm(a, b)
     else:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        product = lambda: a @ b  # noqa: E731
+        product = lambda: a @ b
     product()
     times = []
     for _ in range(reps):

@@ -133,8 +133,7 @@ def _hidden_shared(decoder, input_ids, attention_mask, loss_mask, plan):
     from transformers import DynamicCache
 
     pre_ids, pre_mask, group, k = plan
-    n, length = input_ids.shape
-
+    length = input_ids.shape[1]
     pre = decoder(input_ids=pre_ids, attention_mask=pre_mask, use_cache=True)
     cache = DynamicCache(ddp_cache_data=[
         (keys.index_select(0, group), values.index_select(0, group))
