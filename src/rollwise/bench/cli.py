@@ -164,7 +164,9 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
         vs: Annotated[str | None, typer.Option(
             help="'trl': TRL's GRPOTrainer alongside, step for step (needs TRL).")] = None,
         trl_set: Annotated[list[str] | None, typer.Option(
-            help="GRPOConfig field for the TRL side, e.g. gradient_checkpointing=true.")] = None):
+            help="GRPOConfig field for the TRL side, e.g. gradient_checkpointing=true.")] = None,
+        no_baseline: Annotated[bool, typer.Option(
+            "--no-baseline", help="Run only the best variant (e.g. against TRL alone).")] = False):
     """B3: step time split (rollout/reward/train/other) and time to a target accuracy."""
     from rollwise.bench import e2e as b3
     from rollwise.config import _parse_value
@@ -179,6 +181,8 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
                 "best": tuple(best_set or ())}
     if precision:
         variants = dict(b3.PRECISIONS)
+    elif no_baseline:
+        variants.pop("baseline")
     trl_options = {k.strip(): _parse_value(v.strip())
                    for k, v in (item.split("=", 1) for item in trl_set or [])}
     paths = configs or [Path("configs/tiny_arith.toml"), Path("configs/quickstart.toml")]
