@@ -192,7 +192,7 @@ def test_speculation_keeps_the_sampling_distribution(model) -> None:
     marginal = (p1[:, None] * p2).sum(0)
     likely, unlikely = int(marginal.argmax()), int(marginal.argmin())
     engine = _engine(model, spec_max_batch=10**6, spec_tokens=2,  # drafts the 2nd and 3rd
-                     drafter=lambda rows: [[likely, unlikely] for _ in rows])
+                     drafter=lambda rows, k: [[likely, unlikely] for _ in rows])
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     for i in range(n):
         engine.submit(prompt, params, seed=derive_seed(99, i))
@@ -257,8 +257,8 @@ def test_context_scheduling_serves_one_probe_per_group_first(model) -> None:
     started: list[int] = []
     step = engine.step
 
-    def watch():
-        out = step()
+    def watch(**options):
+        out = step(**options)
         for r in engine._rows:
             if r.id not in started:
                 started.append(r.id)

@@ -51,7 +51,7 @@ def test_interrupted_partial_run_resumes_its_pool_exactly(tmp_path):
     cut = small(tmp_path, "run.name='cut'", *PARTIAL)
     first = build(cut)
     train(first, Run(run_dir(cut), resume=False, echo=lambda s: None), 2, eval_before=False)
-    assert first.scheduler.pool, "the cut should leave unfinished groups in the pool"
+    assert first.rollout_stage.scheduler.pool, "the cut should leave unfinished groups in the pool"
     second = build(cut)  # a fresh process
     train(second, Run(run_dir(cut), resume=True, echo=lambda s: None), 4, eval_before=False)
     got = params(second.model)

@@ -11,7 +11,7 @@ from rollwise.engine.base import Engine, SamplingParams
 from rollwise.observe import progress_bar
 from rollwise.rewards import RewardPool
 from rollwise.rollout import generate_groups
-from rollwise.types import Group, Sample
+from rollwise.types import EncodedPrompt, Group
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -30,7 +30,7 @@ class Evaluator:
     """Scores a policy on fixed held-out prompts with the task's correctness verifier."""
 
     engine: Engine
-    prompts: list[tuple[Sample, list[int]]]
+    prompts: list[EncodedPrompt]
     pool: RewardPool  # correctness only: accuracy is the fraction scored 1
     decode: Callable[[list[int]], str]
     max_tokens: int

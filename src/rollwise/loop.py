@@ -1,4 +1,4 @@
-"""The synchronous GRPO driver. Each line names a stage; the stages come from `build.py`.
+"""The synchronous GRPO driver. Each line names a stage; the stages come from `stages.py`.
 
     for each step:
         select prompts -> roll out groups -> score -> filter -> advantages -> update -> publish
@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
-from rollwise.build import Stages
 from rollwise.rundir import Run, defer_interrupt
+from rollwise.stages import Stages
 
 
 def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
@@ -83,7 +83,7 @@ def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
     with defer_interrupt():  # Ctrl-C waits until the update is recorded
         with timer("train"):
             update = stages.update(stages.advantages(kept)) if kept else {}
-        stages.publish(step + 1)
+        update = update | stages.publish(step + 1)
         record = run.record_step(step + 1, num_steps, groups, kept, reward_stats, update,
                                  timer, control=stages.control_metrics())
         run.snapshot(stages)

@@ -8,10 +8,14 @@ padded tensors built from the groups. No stage passes string-keyed dictionaries 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:  # the records stay importable without torch (tasks, rewards, observe)
+    from collections.abc import Callable
+
     import torch
+
+    from rollwise.engine.base import Completion
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -28,6 +32,14 @@ class Sample:
     answer: str  # reference final answer the verifier compares with, e.g. "68"
     reference: str | None = None  # a full reference response (used for warm-start SFT)
     meta: dict[str, Any] = field(default_factory=dict)  # task-specific, e.g. {"terms": 3}
+
+
+class EncodedPrompt(NamedTuple):
+    """A sample with its prompt's token ids (chat template applied): what rollouts start from.
+    A tuple so `for sample, ids in prompts` reads as before."""
+
+    sample: Sample
+    ids: list[int]  # [P] prompt tokens
 
 
 @dataclass
@@ -48,6 +60,16 @@ class Trajectory:
     @property
     def num_tokens(self) -> int:
         return len(self.response_ids)
+
+    @classmethod
+    def from_completion(cls, prompt: EncodedPrompt, c: Completion,
+                        decode: Callable[[list[int]], str], version: int,
+                        timings: dict[str, float]) -> Trajectory:
+        """The one Completion -> Trajectory conversion. An engine that does not tag tokens
+        with versions (HF `generate`) sampled all of them with `version`, the weights it holds."""
+        return cls(sample=prompt.sample, prompt_ids=list(prompt.ids), response_ids=c.token_ids,
+                   logprobs=c.logprobs, versions=c.versions or [version] * len(c.token_ids),
+                   finish_reason=c.finish_reason, text=decode(c.token_ids), timings=timings)
 
 
 @dataclass

@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
-from rollwise.engine.base import Completion, SamplingParams
+from rollwise.engine.base import Completion, Drafter, SamplingParams
 from rollwise.engine.decoder import Decoder
 from rollwise.engine.kvcache import KVCache
 from rollwise.engine.requests import EngineStats, Group, Request, walk_draft
 from rollwise.engine.sampling import derive_seed, sample_and_score, sample_tokens, uniforms
 
-Drafter = Callable[[list[tuple[int, list[int]]]], list[list[int]]]
 _ACCEPT_STREAM = 0x5DEECE66D  # second uniform stream (lenient acceptance tests)
 
 
@@ -49,9 +47,10 @@ class NativeEngine:
                  spec_tokens: int = 4, spec_max_batch: int = 8, version: int = 0,
                  weights_from: NativeEngine | None = None):
         """`static_batch`: admit only into an empty batch and keep finished rows computing
-        until the whole batch ends (what `generate` does; a baseline). `drafter`: given
-        [(request id, tokens so far)] returns a draft per request; consulted when at most
-        `spec_max_batch` rows run (speculation pays in small batches), up to `spec_tokens`.
+        until the whole batch ends (a baseline). `drafter`: given [(request id, tokens so
+        far)] and `spec_tokens` returns a draft per request; consulted when at most
+        `spec_max_batch` rows run (speculation pays in small batches). Both are defaults
+        that a caller of `step` may replace for that step (the rollout scheduler does).
         `dtype`: the weights, activations and KV cache (float32 or bfloat16), see
         docs/precision.md. `weights_from`: an engine over the same model whose converted
         weights this one reads (refreshed when that engine publishes), e.g. the evaluator's."""
@@ -192,14 +191,17 @@ class NativeEngine:
     # -- one step --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[Completion]:
+    def step(self, *, static_batch: bool | None = None,
+             drafter: Drafter | None = None) -> list[Completion]:
         """Admit what fits, advance every resident row (one token, or a verified draft);
-        returns the requests finished in this step."""
+        returns the requests finished in this step. `static_batch`, `drafter`: this step's
+        admission mode and draft source (None: the engine's own, from construction)."""
+        static = self.static_batch if static_batch is None else static_batch
         self.stats.steps += 1
         emitted: dict[int, int] = {}  # request id -> tokens emitted this step
-        self._admit(emitted)
+        self._admit(emitted, static)
         if self._rows:
-            self._attach_drafts()
+            self._attach_drafts(drafter or self.drafter)
             self._make_room()
             rows = list(self._rows)
             single = [i for i, r in enumerate(rows) if _inputs(r) == 1]
@@ -210,7 +212,7 @@ class NativeEngine:
                 self._decode([rows[i] for i in single], single, emitted)
             if multi:
                 self._verify([rows[i] for i in multi], multi, emitted)
-        finished = self._retire(emitted)
+        finished = self._retire(emitted, static)
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self.kv_tokens())
         return finished
 
@@ -326,8 +328,8 @@ class NativeEngine:
             return max(self._waiting, key=lambda r: r.priority)  # first of the highest
         return self._waiting[0]
 
-    def _admit(self, emitted: dict[int, int]) -> None:
-        if self.static_batch and self._rows:
+    def _admit(self, emitted: dict[int, int], static: bool) -> None:
+        if static and self._rows:
             return
         new_groups: list[Group] = []
         fresh: list[Request] = []
@@ -383,14 +385,14 @@ class NativeEngine:
         self.stats.prefill_tokens += sum(lengths)
         self.stats.prefill_seconds += time.perf_counter() - start
 
-    def _attach_drafts(self) -> None:
+    def _attach_drafts(self, drafter: Drafter | None) -> None:
         """Ask the drafter for continuations when the batch is small enough to profit."""
-        if self.drafter is None or self.num_running() > self.spec_max_batch:
+        if drafter is None or self.num_running() > self.spec_max_batch:
             return
         rows = [r for r in self._rows if not r.zombie and not r.draft and _inputs(r) == 1]
         if not rows:
             return
-        drafts = self.drafter([(r.id, r.tokens) for r in rows])
+        drafts = drafter([(r.id, r.tokens) for r in rows], self.spec_tokens)
         for r, d in zip(rows, drafts):
             room = r.params.max_tokens - len(r.tokens) - 1
             r.draft = list(d[: min(self.spec_tokens, room)]) if room > 0 else []
@@ -429,7 +431,7 @@ class NativeEngine:
         self.cache.put_row(row, r.parked)
         r.cached, r.parked = n, None
 
-    def _retire(self, emitted: dict[int, int]) -> list[Completion]:
+    def _retire(self, emitted: dict[int, int], static: bool) -> list[Completion]:
         finished, gone, park = [], [], []
         for i, r in enumerate(self._rows):
             if r.zombie:
@@ -437,7 +439,7 @@ class NativeEngine:
             reason = self._finish_reason(r)
             if reason is not None:
                 finished.append(self._completion(r, reason))
-                if self.static_batch:
+                if static:
                     r.zombie = True
                     self._requests.pop(r.id, None)
                 else:
@@ -445,7 +447,7 @@ class NativeEngine:
             elif (r.chunk_tokens and self._waiting
                   and len(r.tokens) - r.resident_since >= r.chunk_tokens):
                 park.append(i)
-        if self.static_batch and self._rows and all(r.zombie for r in self._rows):
+        if static and self._rows and all(r.zombie for r in self._rows):
             gone = list(range(len(self._rows)))
         for i in park:
             self._rows[i].parked = self.cache.take_row(i, self._rows[i].cached)

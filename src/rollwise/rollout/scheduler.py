@@ -34,15 +34,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from rollwise.engine.base import Completion, SamplingParams
-from rollwise.engine.native import NativeEngine
+from rollwise.engine.base import Completion, RequestEngine, SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.rollout.drafts import GroupNgramIndex
-from rollwise.types import Group, Sample, Trajectory
+from rollwise.types import EncodedPrompt, Group, Sample, Trajectory
 
 STRATEGIES = ("sync", "continuous", "partial", "context", "partial+context")
 REUSE_RULES = ("exact", "coupled", "spec-rl")
-EncodedPrompt = tuple[Sample, list[int]]
 
 
 @dataclass
@@ -80,7 +78,7 @@ class StepReport:
 
 
 class RolloutScheduler:
-    def __init__(self, engine: NativeEngine, params: SamplingParams,
+    def __init__(self, engine: RequestEngine, params: SamplingParams,
                  decode: Callable[[list[int]], str] = lambda ids: "", *,
                  strategy: str = "continuous", over_provision: float = 2.0,
                  max_staleness: int = 4, chunk_tokens: int = 16, spec_group: bool = False,
@@ -105,8 +103,9 @@ class RolloutScheduler:
         self.previous_seeds: dict[tuple, list[int]] = {}  # and their seeds (rule 'coupled')
         self._uid = 0
         self._by_rid: dict[int, tuple[_PendingGroup, _Slot]] = {}
-        engine.static_batch = strategy == "sync"
-        engine.drafter = self._draft if spec_group else None
+        # the engine's admission mode and draft source, passed with every step
+        self._step_options = {"static_batch": strategy == "sync",
+                              "drafter": self._draft if spec_group else None}
 
     @property
     def version(self) -> int:
@@ -156,7 +155,7 @@ class RolloutScheduler:
         while self.engine.has_unfinished():
             if self.partial and len(delivered) >= target:
                 break
-            for c in self.engine.step():
+            for c in self.engine.step(**self._step_options):
                 g, slot = self._by_rid.pop(c.request_id)
                 slot.done, slot.rid, slot.partial = c, None, None
                 slot.finished_at = time.perf_counter() - start
@@ -235,7 +234,7 @@ class RolloutScheduler:
                 if s.rid is not None and s.done is None:
                     self.engine.set_priority(s.rid, self._priority(g, False))
 
-    def _draft(self, rows: list[tuple[int, list[int]]]) -> list[list[int]]:
+    def _draft(self, rows: list[tuple[int, list[int]]], limit: int) -> list[list[int]]:
         """Seer's grouped drafts: continue each row from the n-gram index of its siblings'
         responses, finished or still running (brought up to date at every call)."""
         out = []
@@ -252,7 +251,7 @@ class RolloutScheduler:
                 if c is not None and len(c.token_ids) > s.indexed:
                     g.index.add(context + c.token_ids, start=len(context) + s.indexed)
                     s.indexed = len(c.token_ids)
-            out.append(g.index.draft(context + tokens, self.engine.spec_tokens)
+            out.append(g.index.draft(context + tokens, limit)
                        if g.index.table else [])
         return out
 
@@ -266,14 +265,10 @@ class RolloutScheduler:
                     s.partial = part if part.token_ids else None
 
     def _to_group(self, g: _PendingGroup) -> Group:
-        trajs = []
-        for s in g.slots:
-            c = s.done
-            trajs.append(Trajectory(
-                sample=g.sample, prompt_ids=list(g.ids), response_ids=c.token_ids,
-                logprobs=c.logprobs, versions=c.versions, finish_reason=c.finish_reason,
-                text=self.decode(c.token_ids), timings={"rollout_done": s.finished_at}))
-        return Group(sample=g.sample, trajectories=trajs)
+        prompt = EncodedPrompt(g.sample, g.ids)
+        return Group(sample=g.sample, trajectories=[
+            Trajectory.from_completion(prompt, s.done, self.decode, self.version,
+                                       {"rollout_done": s.finished_at}) for s in g.slots])
 
     def _info(self, groups: list[Group], before, makespan: float, done_times: list[float],
               stale: dict[str, int]) -> dict[str, Any]:

@@ -1,0 +1,135 @@
+"""The rollout stage as one object: encoded prompts in, groups out, scoring overlapped.
+
+Two paths behind one call: the rollout scheduler (native engine: every strategy of
+docs/rollout.md, groups handed over as soon as they are complete) or plain batched
+generation (engines with only `generate`, e.g. HF). On the scheduler path each complete
+group starts scoring in a background thread while the engine decodes the rest; `score`
+collects those results and scores whatever was not started.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from rollwise.engine.base import Engine, SamplingParams
+from rollwise.rewards.pool import RewardStats
+from rollwise.rollout.scheduler import RolloutScheduler
+from rollwise.types import EncodedPrompt, Group, Trajectory
+
+Scorer = Callable[[list[Trajectory]], RewardStats]  # scores in place, returns the counts
+
+
+def generate_groups(engine: Engine, prompts: list[EncodedPrompt], params: SamplingParams,
+                    decode: Callable[[list[int]], str]) -> list[Group]:
+    """`params.n` trajectories per prompt from one `generate` call, in prompt order."""
+    start = time.perf_counter()
+    completions = engine.generate([p.ids for p in prompts], params)
+    timings = {"rollout": time.perf_counter() - start}
+    groups = [Group(sample=p.sample, trajectories=[]) for p in prompts]
+    for c in completions:
+        groups[c.prompt_index].trajectories.append(Trajectory.from_completion(
+            prompts[c.prompt_index], c, decode, engine.version, dict(timings)))
+    return groups
+
+
+class RolloutStage:
+    """Both rollout paths and the scoring overlap. `fetch(k)`: k more prompts for partial
+    rollouts' over-provisioning (scheduler path only)."""
+
+    def __init__(self, engine: Engine, sampling: SamplingParams,
+                 decode: Callable[[list[int]], str], scorer: Scorer, *,
+                 scheduler: RolloutScheduler | None = None,
+                 fetch: Callable[[int], list[EncodedPrompt]] | None = None):
+        self.engine, self.sampling, self.decode = engine, sampling, decode
+        self.scorer, self.scheduler, self.fetch = scorer, scheduler, fetch
+        self._reports: list[dict] = []
+        # (group, its scoring) in the order they completed; held by the group itself, not
+        # its id(), so a dropped group's address reused by a new one cannot match
+        self._scoring: list[tuple[Group, Future]] = []
+        self._thread: ThreadPoolExecutor | None = None
+
+    def run(self, prompts: list[EncodedPrompt], sizes: list[int]) -> list[Group]:
+        """Groups for `prompts` (`sizes[i]` samples for prompt i). The scheduler's strategy
+        decides which come back (partial: possibly pooled groups of earlier steps in place
+        of some asked for); plain generation makes one call per distinct size, in order."""
+        if self.scheduler is not None:
+            report = self.scheduler.run(prompts, self.fetch, sizes=sizes,
+                                        on_group=self._score_later)
+            self._reports.append(report.info)
+            return report.groups
+        by_n: dict[int, list[int]] = {}
+        for i, n in enumerate(sizes):
+            by_n.setdefault(n, []).append(i)
+        groups: list[Group] = [None] * len(prompts)  # type: ignore[list-item]
+        for n, rows in by_n.items():
+            out = generate_groups(self.engine, [prompts[i] for i in rows],
+                                  replace(self.sampling, n=n), self.decode)
+            for i, g in zip(rows, out):
+                groups[i] = g
+        return groups
+
+    def _score_later(self, group: Group) -> None:
+        """Start scoring a complete group while the engine decodes the rest (the reward
+        pool's worker threads run the verifiers; torch releases the GIL while decoding)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="rollwise-score")
+        self._scoring.append((group, self._thread.submit(self.scorer, group.trajectories)))
+
+    def score(self, groups: list[Group]) -> RewardStats:
+        """Every trajectory of `groups` scored: started ones collected, the rest scored now."""
+        stats = RewardStats(0, 0, 0, 0.0)
+        started, self._scoring = self._scoring, []
+        rest = []
+        for g in groups:
+            hit = next((i for i, (h, _) in enumerate(started) if h is g), None)
+            if hit is None:
+                rest.extend(g.trajectories)
+            else:
+                stats = stats + started.pop(hit)[1].result()
+        self._scoring = started  # started for groups not asked about (kept for a later call)
+        if rest:
+            stats = stats + self.scorer(rest)
+        return stats
+
+    def metrics(self) -> dict[str, float]:
+        """The scheduler's figures over this step's rounds ({} on the plain path); resets."""
+        reports, self._reports = self._reports, []
+        return summarize_rollout(reports) if reports else {}
+
+    def publish(self, version: int) -> None:
+        self.engine.publish(version)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The scheduler's partial pool and reuse cache; None on the plain path."""
+        return self.scheduler.state_dict() if self.scheduler is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if self.scheduler is not None and state is not None:
+            self.scheduler.load_state_dict(state)
+
+
+def summarize_rollout(infos: list[dict]) -> dict[str, float]:
+    """One step's scheduler figures (over its rollout rounds) for the metrics record."""
+    def total(key: str) -> float:
+        return sum(i[key] for i in infos)
+
+    trained = total("trained_tokens")
+    verifies = total("spec_verifies")
+    out = {
+        "rollout_makespan_s": total("makespan_s"), "rollout_tail_s": total("tail_time_s"),
+        "rollout_forward_passes": total("forward_passes"),
+        "rollout_generated_tokens": total("generated_tokens"),
+        "offpolicy_token_frac": sum(i["offpolicy_token_frac"] * i["trained_tokens"]
+                                    for i in infos) / max(trained, 1),
+        "staleness_mean": sum(i["staleness_mean"] * len(i["lengths"]) for i in infos)
+        / max(sum(len(i["lengths"]) for i in infos), 1),
+        "staleness_max": max(i["staleness_max"] for i in infos),
+        "stale_dropped": total("stale_dropped"), "pool_groups": infos[-1]["pool_groups"],
+    }
+    if verifies:
+        out["spec_accepted_len"] = 1.0 + total("spec_accepted") / verifies
+    return out
