@@ -167,7 +167,7 @@ def test_entropy_bonus_changes_the_update_only_when_its_coefficient_is_positive(
 
 
 def _ref_dare(answers, unc, alpha, tau, eps=1e-6):
-    """DARE from TECHNIQUES.md 9.7, written independently: dict-free loops over rollouts."""
+    """DARE (docs/algorithms.md), written independently: dict-free loops over rollouts."""
     alive = [i for i, a in enumerate(answers) if a is not None]
 
     def score(idx):
@@ -228,8 +228,8 @@ def test_group_terms_add_weighted_scores_in_place(make_trajectory):
         GroupTerm("overlong", get_group_reward("overlong"), 0.5, {"max_tokens": 6, "buffer": 2}),
     ])
     assert [answer_of(t.text) for t in trajs] == ["42", "42", "7"]
-    assert [t.reward_info["majority_vote"] for t in trajs] == [1.0, 1.0, 0.0]
-    assert [t.reward_info["overlong"] for t in trajs] == [0.0, -0.5, -1.0]
+    assert [t.scores["majority_vote"] for t in trajs] == [1.0, 1.0, 0.0]
+    assert [t.scores["overlong"] for t in trajs] == [0.0, -0.5, -1.0]
     assert [t.reward for t in trajs] == pytest.approx([2.25, 2.0, -0.25])
 
 

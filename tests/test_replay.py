@@ -44,7 +44,8 @@ def make_groups(step: int, n_groups: int = 2, group_size: int = 3, seed: int = 0
                     finish_reason=["stop", "length", "abort"][t % 3],
                     text=f"answer {t}",
                     reward=rng.random(),
-                    reward_info={"exact": t % 2, "detail": {"parsed": str(t)}},
+                    scores={"exact": float(t % 2)},
+                    reward_errors=[f"format: bad {t}"] if t % 3 == 0 else [],
                     timings={"rollout": rng.random(), "reward": 0.001},
                 )
             )
@@ -135,3 +136,15 @@ def test_nan_reward_and_mismatched_lengths(tmp_path):
         store.add_groups(2, bad)
     assert store.steps() == [1]  # nothing of the failed call was written
     store.close()
+
+
+def test_stored_reward_info_splits_into_scores_and_errors():
+    """The store keeps one JSON object per row ({term: score, ..., "errors": [...]}); rows
+    written before scores and errors were separate fields read back the same way."""
+    scores, errors = Trajectory.split_reward_info({"correct": 1.0, "errors": ["x: boom"]})
+    assert scores == {"correct": 1.0} and errors == ["x: boom"]
+    assert Trajectory.split_reward_info({"correct": 0.0}) == ({"correct": 0.0}, [])
+    t = Trajectory(sample=Sample("a", "1+1=", "2"), prompt_ids=[1], response_ids=[2],
+                   logprobs=[0.0], versions=[0], finish_reason="stop", scores=scores,
+                   reward_errors=errors)
+    assert t.correct and t.reward_info == {"correct": 1.0, "errors": ["x: boom"]}

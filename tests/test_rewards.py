@@ -113,7 +113,8 @@ def test_pool_weights_sum_and_records_scores() -> None:
     with RewardPool(specs, num_workers=3) as pool:
         stats = pool.score(trajs)
     assert [t.reward for t in trajs] == [1.0 + 0.25 - 0.5, 1.25, 0.25 - 0.5, 1.0]
-    assert trajs[2].reward_info == {"correct": 0.0, "format": 1.0, "short": 1.0, "errors": []}
+    assert trajs[2].scores == {"correct": 0.0, "format": 1.0, "short": 1.0}
+    assert trajs[2].reward_errors == [] and not trajs[2].correct
     assert (stats.num_scored, stats.num_errors, stats.num_timeouts) == (4, 0, 0)
     assert all(0.0 <= t.timings["reward"] < 1.0 for t in trajs)
 
@@ -129,11 +130,11 @@ def test_pool_raising_and_bad_values_score_zero() -> None:
         stats = pool.score(trajs)
     assert [t.reward for t in trajs] == [1.0, 0.0]
     assert stats.num_errors == 6 and stats.num_timeouts == 0
-    errors = trajs[0].reward_info["errors"]
+    errors = trajs[0].reward_errors
     assert "boom: KeyError: 'numbers'" in errors
     assert "nan: returned non-finite nan" in errors
     assert any(e.startswith("str: returned str 'x'") for e in errors)
-    assert trajs[0].reward_info["boom"] == 0.0
+    assert trajs[0].scores["boom"] == 0.0
 
 
 def test_pool_cuts_off_sleeping_and_spinning_verifiers() -> None:
@@ -159,7 +160,7 @@ def test_pool_cuts_off_sleeping_and_spinning_verifiers() -> None:
     assert elapsed < 3.0  # 4 overruns on 2 workers: ~2 x 0.2 s, never the 30 s sleep
     assert (stats.num_timeouts, stats.num_errors) == (4, 0)
     assert [t.reward for t in trajs] == [1.0, 1.0]
-    assert set(trajs[0].reward_info["errors"]) == {
+    assert set(trajs[0].reward_errors) == {
         "sleepy: timeout after 0.2s", "spin: timeout after 0.2s"}
     assert trajs[0].timings["reward"] >= 0.4
     # The pool replaced its killed workers and still scores promptly.
@@ -187,7 +188,7 @@ def test_pool_kills_a_verifier_stuck_in_c_holding_the_gil() -> None:
     start = time.perf_counter()
     stats = pool.score(trajs)
     assert time.perf_counter() - start < 3.0
-    assert stats.num_timeouts == 1 and trajs[0].reward_info["bomb"] == 0.0
+    assert stats.num_timeouts == 1 and trajs[0].scores["bomb"] == 0.0
     assert trajs[0].reward == 1.0
     assert pool.workers_started == 3
     assert sum(w.proc.is_alive() for w in pool._workers) == 2
@@ -204,7 +205,7 @@ def test_pool_survives_a_verifier_that_kills_its_process() -> None:
         trajs = [_traj("#### 68"), _traj("#### 67")]
         stats = pool.score(trajs)
     assert stats.num_errors == 2 and [t.reward for t in trajs] == [1.0, 0.0]
-    assert trajs[0].reward_info["errors"] == ["x: worker process died"]
+    assert trajs[0].reward_errors == ["x: worker process died"]
 
 
 def test_pool_validates_specs() -> None:

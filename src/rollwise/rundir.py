@@ -243,7 +243,7 @@ class Run:
         record = {
             "kind": "train", "step": step, "num_steps": num_steps, "wall_time": c["train_seconds"],
             "reward_mean": statistics.fmean(t.reward for t in trajs),
-            "accuracy": statistics.fmean(float(t.reward_info.get("correct", 0.0) >= 1.0) for t in trajs),
+            "accuracy": statistics.fmean(float(t.correct) for t in trajs),
             **{f"response_len_{k}": v for k, v in lens.items()},
             "truncated_frac": statistics.fmean(t.finish_reason == "length" for t in trajs),
             "zero_var_frac": statistics.fmean(g.zero_variance for g in groups),

@@ -19,6 +19,9 @@ if TYPE_CHECKING:  # the records stay importable without torch (tasks, rewards, 
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# The reward term whose score 1 means solved: the task's own verifier (accuracy counts it).
+CORRECT = "correct"
+
 # A chat prompt is a list of {"role": ..., "content": ...} messages.
 Prompt = str | list[dict[str, str]]
 
@@ -53,13 +56,29 @@ class Trajectory:
     versions: list[int]  # [T] policy version that sampled each response token
     finish_reason: FinishReason  # "stop" (EOS/stop token), "length" (max_tokens), "abort"
     text: str = ""  # decoded response (filled at the edge, by the rollout stage)
-    reward: float = 0.0  # scalar reward used for advantages
-    reward_info: dict[str, Any] = field(default_factory=dict)  # per-verifier scores, errors
+    reward: float = 0.0  # scalar reward used for advantages: sum of weight x score
+    scores: dict[str, float] = field(default_factory=dict)  # reward term name -> its score
+    reward_errors: list[str] = field(default_factory=list)  # "term: what happened"
     timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. {"rollout": .., "reward": ..}
 
     @property
     def num_tokens(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def correct(self) -> bool:
+        """Solved: the task verifier's term (`CORRECT`) scored 1 (False where not scored)."""
+        return self.scores.get(CORRECT, 0.0) >= 1.0
+
+    @property
+    def reward_info(self) -> dict[str, Any]:
+        """Scores and errors as one JSON object (the trajectory store's column)."""
+        return {**self.scores, "errors": list(self.reward_errors)}
+
+    @staticmethod
+    def split_reward_info(info: dict[str, Any]) -> tuple[dict[str, float], list[str]]:
+        """(scores, errors) of a stored `reward_info` object."""
+        return {k: v for k, v in info.items() if k != "errors"}, list(info.get("errors", []))
 
     @classmethod
     def from_completion(cls, prompt: EncodedPrompt, c: Completion,
@@ -102,7 +121,9 @@ class Batch:
     attention_mask: torch.Tensor  # [N, L] long, 1 for real tokens
     loss_mask: torch.Tensor  # [N, L] float, 1 on response tokens
     old_logprobs: torch.Tensor  # [N, L] float, behaviour log-probs on response tokens, else 0
-    advantages: torch.Tensor  # [N] float, one per trajectory (outcome-level estimators)
+    advantages: torch.Tensor  # [N] float (outcome-level estimators: one per trajectory) or
+    # [N, L] float (token-level estimators: per position, 0 off the response); see
+    # `token_advantages` for the one shape every consumer can broadcast
     group_ids: torch.Tensor  # [N] long, which group each row belongs to
     versions: torch.Tensor  # [N, L] long, policy version per response token, else -1
 
@@ -113,3 +134,8 @@ class Batch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    @property
+    def token_advantages(self) -> torch.Tensor:
+        """[N, 1] or [N, L]: the advantages broadcastable against [N, L] per-token values."""
+        return self.advantages[:, None] if self.advantages.dim() == 1 else self.advantages

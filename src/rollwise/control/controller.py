@@ -24,6 +24,9 @@ from typing import Any, Protocol
 
 from rollwise.control.posterior import PosteriorBook
 from rollwise.control.sampler import UniformSampler
+from rollwise.types import Group  # importable without torch
+
+__all__ = ["Allocator", "Controller", "Group", "Request", "prompt_id"]
 
 
 @dataclass(frozen=True)
@@ -61,17 +64,6 @@ class Allocator(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-class Group(Protocol):  # rollwise.types.Group, without importing torch here
-    sample: Any
-    trajectories: list
-
-    @property
-    def rewards(self) -> list[float]: ...
-
-    @property
-    def zero_variance(self) -> bool: ...
 
 
 def prompt_id(prompt: Any) -> str:

@@ -47,6 +47,17 @@ def micro_batches(batch: Batch, max_tokens: int) -> list[torch.Tensor]:
     return out
 
 
-def take_rows(batch: Batch, rows: torch.Tensor) -> Batch:
-    """The batch restricted to row indices `rows` (every field is indexed by row first)."""
-    return Batch(*(getattr(batch, f.name)[rows] for f in fields(Batch)))
+def take_rows(batch: Batch, rows: torch.Tensor, *, trim: bool = False,
+              device: torch.device | str | None = None) -> Batch:
+    """The batch restricted to row indices `rows` (every field is indexed by row first);
+    `trim`: [N, L] fields cut to the longest selected row (micro-batches carry no columns
+    of padding only); `device`: where the selected rows go."""
+    width = int(batch.attention_mask[rows].sum(-1).max()) if trim and len(rows) else None
+
+    def select(t: torch.Tensor) -> torch.Tensor:
+        t = t[rows]
+        if width is not None and t.dim() == 2:  # [N, L] fields, [N, L] advantages included
+            t = t[:, :width]
+        return t.to(device) if device is not None else t
+
+    return Batch(**{f.name: select(getattr(batch, f.name)) for f in fields(Batch)})

@@ -93,7 +93,7 @@ class Learner:
         """[N, L] values of `fn` on each micro-batch of `batch`, put back in row order."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float64)
         for idx in micro_batches(batch, self.micro_batch_tokens):
-            rows = _select(batch, idx, self.device)
+            rows = take_rows(batch, idx, trim=True, device=self.device)
             out[idx, : rows.loss_mask.shape[1]] = fn(rows).double().cpu()
         return out
 
@@ -138,8 +138,7 @@ class Learner:
         the loss is normalised by are taken from the whole batch before."""
         if not self.skip_zero_advantage:
             return batch, 0
-        adv = batch.advantages
-        live = (adv != 0).any(-1) if adv.dim() == 2 else adv != 0  # [N]
+        live = (batch.token_advantages != 0).any(-1)  # [N]
         dropped = int((~live).sum())
         if dropped:
             self.rows_skipped += dropped
@@ -169,7 +168,7 @@ class Learner:
         sums: dict[str, float] = {"loss": 0.0}  # skipped rows (if any) add exactly 0
         finite = True
         for idx in micro_batches(batch, self.micro_batch_tokens):
-            rows = _select(batch, idx, self.device)
+            rows = take_rows(batch, idx, trim=True, device=self.device)
             entropy = None
             if self.entropy_coef > 0:
                 logp, entropy = self._logprobs(self.model, rows, with_entropy=True)
@@ -228,15 +227,3 @@ def lr_factor(step: int, warmup: int, schedule: str, total: int) -> float:
     if schedule == "linear" and total > warmup:
         return max(0.0, (total - step) / (total - warmup))
     return 1.0
-
-
-def _select(batch: Batch, idx: torch.Tensor, device: torch.device) -> Batch:
-    """Rows `idx` of a batch, trimmed to their longest row and moved to `device`."""
-    width = int(batch.attention_mask[idx].sum(-1).max())
-
-    def rows(t):
-        return t[idx][:, :width].to(device) if t.dim() == 2 else t[idx].to(device)
-
-    return Batch(*(rows(t) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask,
-                                     batch.old_logprobs, batch.advantages, batch.group_ids,
-                                     batch.versions)))

@@ -299,7 +299,8 @@ class TrajectoryStore:
                 finish_reason=finish,
                 text=text,
                 reward=float("nan") if reward is None else reward,
-                reward_info=json.loads(info),
+                **dict(zip(("scores", "reward_errors"),
+                           Trajectory.split_reward_info(json.loads(info)), strict=True)),
                 timings=json.loads(timings),
             )
             out.append((g_idx, traj))

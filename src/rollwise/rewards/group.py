@@ -4,7 +4,7 @@ Some rewards need the whole group: test-time RL on unlabelled prompts scores a r
 how its answer relates to its siblings' answers (majority vote, DARE), and DAPO's overlong
 shaping needs the token count, which a text verifier never sees. Each term is a plain
 function; `apply_group_rewards` adds `weight * score` to each trajectory's reward and records
-the score in `reward_info[name]`, after the per-trajectory verifiers have run.
+the score in `scores[name]`, after the per-trajectory verifiers have run.
 
 Answers for the test-time terms are the last number after the last "####" (or in the whole
 completion), so they suit the arithmetic and GSM8K-style tasks; a completion without a
@@ -82,7 +82,7 @@ def _dare_round(answers: list[str], unc: list[float], alpha: float, eps: float
 def dare_scores(answers: Sequence[str | None], uncertainty: Sequence[float], *,
                 alpha: float = 0.5, tau: float = 0.0, eps: float = 1e-6) -> list[float]:
     """DARE, distribution-aware reward estimation for test-time RL (arXiv 2601.21804;
-    TECHNIQUES.md 9.7). Over the M rollouts with an answer:
+    docs/algorithms.md). Over the M rollouts with an answer:
 
         n(a) = count of a;  u(a) = mean uncertainty of the rollouts answering a
         p(a) = [n(a) / (u(a) + eps)] / sum_b n(b) / (u(b) + eps)
@@ -171,4 +171,4 @@ def apply_group_rewards(groups: list[Group], terms: list[GroupTerm]) -> None:
             scores = term.fn(group.trajectories, **term.options)
             for traj, score in zip(group.trajectories, scores, strict=True):
                 traj.reward += term.weight * score
-                traj.reward_info[term.name] = score
+                traj.scores[term.name] = score

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 class RewardSpec:
     """One verifier in the reward: trajectory.reward = sum of weight * fn(text, sample)."""
 
-    name: str  # key of this score in trajectory.reward_info
+    name: str  # key of this score in trajectory.scores
     fn: Callable[[str, Sample], float]  # (completion, sample) -> score
     weight: float = 1.0
 
@@ -137,8 +137,8 @@ class RewardPool:
     >>> specs = [RewardSpec("correct", final_number), RewardSpec("format", format_reward, 0.1)]
     >>> pool = RewardPool(specs, timeout_s=5.0, num_workers=2)
     >>> t = Trajectory(Sample("a/0", "23+45=", "68"), [], [], [], [], "stop", text="68#68")
-    >>> pool.score([t]).num_scored, t.reward, t.reward_info
-    (1, 1.1, {'correct': 1.0, 'format': 1.0, 'errors': []})
+    >>> pool.score([t]).num_scored, t.reward, t.scores, t.reward_errors
+    (1, 1.1, {'correct': 1.0, 'format': 1.0}, [])
     >>> pool.close()
     """
 
@@ -189,9 +189,9 @@ class RewardPool:
     def score(self, trajectories: list[Trajectory]) -> RewardStats:
         """Score `trajectories` in place and return counts.
 
-        Sets ``t.reward = sum(weight * score)``, ``t.reward_info = {name: score, ...,
-        "errors": [...]}`` (each error "name: what happened"; a timeout reads "name: timeout
-        after Xs") and ``t.timings["reward"]`` = seconds its verifiers ran (a timed-out call
+        Sets ``t.reward = sum(weight * score)``, ``t.scores = {name: score, ...}``,
+        ``t.reward_errors = [...]`` (each "name: what happened"; a timeout reads "name:
+        timeout after Xs") and ``t.timings["reward"]`` = seconds its verifiers ran (a timed-out call
         counts as timeout_s). A verifier that raises, times out, returns a non-finite value
         or kills its worker scores 0.
         """
@@ -199,14 +199,14 @@ class RewardPool:
             raise RuntimeError("RewardPool.score called after close()")
         start = time.perf_counter()
         for traj in trajectories:
-            traj.reward_info = {**{spec.name: 0.0 for spec in self.specs}, "errors": []}
+            traj.scores = {spec.name: 0.0 for spec in self.specs}
+            traj.reward_errors = []
             traj.timings["reward"] = 0.0
         jobs = [(row, i) for row in range(len(trajectories)) for i in range(len(self.specs))]
         with self._lock:
             counts = self._run(jobs, trajectories) if jobs else (0, 0)
         for traj in trajectories:
-            info = traj.reward_info
-            traj.reward = sum(spec.weight * info[spec.name] for spec in self.specs)
+            traj.reward = sum(spec.weight * traj.scores[spec.name] for spec in self.specs)
         return RewardStats(len(trajectories), *counts, time.perf_counter() - start)
 
     def _run(self, jobs: list[tuple[int, int]], trajs: list[Trajectory]) -> tuple[int, int]:
@@ -255,9 +255,9 @@ class RewardPool:
     def _record(
         traj: Trajectory, spec: RewardSpec, value: object, error: str | None, seconds: float
     ) -> None:
-        traj.reward_info[spec.name] = 0.0 if error else float(value)  # type: ignore[arg-type]
+        traj.scores[spec.name] = 0.0 if error else float(value)  # type: ignore[arg-type]
         if error:
-            traj.reward_info["errors"].append(f"{spec.name}: {error}")
+            traj.reward_errors.append(f"{spec.name}: {error}")
         traj.timings["reward"] += seconds
 
     def close(self) -> None:
