@@ -158,7 +158,7 @@ def test_losses_accept_per_token_advantages_and_weights_scale(name: str) -> None
 
 
 def _ref_correction(name, old, beh, mask, cap, low):
-    """(weights, clipped count, units) with loops, from TECHNIQUES.md section 7."""
+    """(weights, clipped count, units) with loops, from the formulas in docs/precision.md."""
     n, t = old.shape
     lo = 1 / cap if low is None else low
     w = torch.zeros(n, t, dtype=torch.float64)

@@ -70,7 +70,7 @@ def test_fractional_rewards_are_clipped_evidence():
 
 
 def test_pure_formulas():
-    # DARS worked examples (TECHNIQUES §10.6, ET without std, N = 8)
+    # DARS worked examples (the DARS paper's equal-treatment schedule without std, N = 8)
     assert dars_extra(1 / 8, 8, 32, "et", use_std=False) == 11
     assert dars_extra(0.0, 8, 32, "et", use_std=False) == 24
     assert dars_extra(0.5, 8, 32) == 0 and dars_extra(0.75, 8, 32) == 0

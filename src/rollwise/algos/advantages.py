@@ -13,8 +13,8 @@ excludes rows from the gradient altogether (MC-GRPO's pivot) returns a pair
 (advantages, keep [N] bool); the caller drops the rows where keep is False.
 
 Simplifications, stated up front: the whitening of REINFORCE++ uses the population
-(biased) standard deviation; DRPO is the "minimal implementable variant" of TECHNIQUES.md
-9.2 (a self-normalised length weight on positive advantages, not the DisCO objective).
+(biased) standard deviation; DRPO is the "minimal implementable variant" of the DRPO paper
+(docs/algorithms.md: a self-normalised length weight on positive advantages, not the DisCO objective).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def mc_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: str = "mad
     a stable sort of the group's rewards. Returns (advantages [N], keep [N]), keep False
     at the one pivot per group. With binary rewards MAD is 0 (the median is the majority),
     and the paper's 1e-3 floor would give +-1000; falling back to the std keeps the scale
-    of GRPO (TECHNIQUES.md 9.1 caveat).
+    of GRPO (docs/algorithms.md).
     """
     if scale not in ("mad", "std", "none"):
         raise ValueError(f"mc_grpo: unknown scale '{scale}'; use mad, std or none")
@@ -194,7 +194,7 @@ def drpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, lengths: torch.Tenso
 
     The weights have mean 1 over P, so the positive mass of a group is kept and moved
     toward shorter correct responses. Reconstructed from the paper's abstract (the DisCO
-    objective itself is not implemented); see TECHNIQUES.md 9.2.
+    objective itself is not implemented); see docs/algorithms.md.
     """
     base = grpo(rewards, group_ids, eps=eps).double()
     factor = torch.ones_like(base)

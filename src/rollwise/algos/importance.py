@@ -14,7 +14,7 @@ identical policies every weight is 1.
 Metrics: weight_mean / weight_max over response tokens (over sequences for the sequence
 modes), clipped_frac (TIS: share capped; MIS: share rejected), ess = 1 / mean((w/mean w)^2)
 in (0, 1], and kl / kl_k1: the k3 and k1 estimates of KL(pi_rollout || pi_train) per token.
-Formulas follow verl's rollout_corr_helper (TECHNIQUES.md section 7).
+Formulas follow verl's rollout_corr_helper (docs/precision.md, docs/rollout.md).
 """
 
 from __future__ import annotations

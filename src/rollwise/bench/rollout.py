@@ -1,7 +1,7 @@
 """B1, rollout throughput: the native engine against Hugging Face `generate` on the same
 prompts and sampling parameters, in the same process, alternating, with median ratios.
 
-Workloads (BENCHMARKS.md): `natural` (16 prompts x 8 samples, temperature 1, stop at EOS,
+Workloads: `natural` (16 prompts x 8 samples, temperature 1, stop at EOS,
 max 256 tokens) and `fixed` (64 sequences x 64 tokens, EOS ignored: a clean tokens/s and
 the roofline fraction against the measured matrix-multiply peak of the same dtype).
 

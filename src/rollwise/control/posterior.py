@@ -1,4 +1,4 @@
-"""Per-prompt Beta posterior of the success rate, with two-scale decay (VADE, TECHNIQUES §10.2).
+"""Per-prompt Beta posterior of the success rate, with two-scale decay (VADE; docs/allocation.md).
 
 Each prompt i keeps pseudo-counts (α_i, β_i) over a Beta(α0, β0) prior. A scored group of
 n rollouts with rewards r_j adds its successes and failures:
@@ -15,7 +15,7 @@ was last touched:
 
 λ_fast is the per-step pull every prompt feels; λ_slow adds a stronger pull on prompts not seen
 for more than `stale_after` steps, so stale estimates revert to the prior. (The exact decay form
-of VADE is reconstructed, see TECHNIQUES D.3.) Lazy decay makes a step cost O(prompts touched),
+of VADE is reconstructed, see docs/allocation.md.) Lazy decay makes a step cost O(prompts touched),
 and `decay(λ_f, λ_s)` applied step by step equals the closed form (tested).
 
 Simplification: the book lives in memory and travels in the checkpoint (`state_dict`); the

@@ -14,7 +14,7 @@ Two prompt styles (default "instruct" when chat=True, else "plain"):
   then "#" and the final value: ``"23+45=" -> "68#68"``, ``"23+45+10=" -> "68;78#78"``.
   Its characters: digits and ``+-*=;#``.
 
-`arith_chain` is ArithChain from docs/TECHNIQUES.md §0.2: prompts ``a1+a2+...+ak=`` with
+`arith_chain` is the long-tail workload of docs/rollout.md (B2): prompts ``a1+a2+...+ak=`` with
 k = min(2 + Geometric(p), max_terms), Geometric counting failures before the first success,
 so P(k >= 2 + n) = (1 - p)^n. Each number has between 1 and `digits` digits. The reference
 has the same grammar as plain arith, so response length grows with k and is long-tailed
