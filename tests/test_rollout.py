@@ -13,7 +13,7 @@ import torch
 
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.engine.sampling import derive_seed
-from rollwise.rollout import RolloutScheduler, summarize_rollout
+from rollwise.rollout import RolloutScheduler
 from rollwise.types import Sample
 
 CHI2_CRITICAL_DF7_P1E3 = 24.3219  # P(X > 24.32) = 1e-3 for 7 degrees of freedom
@@ -126,8 +126,8 @@ def test_partial_stops_at_the_target_and_reports_off_policy_tokens(model) -> Non
     sched = RolloutScheduler(_engine(model), params, strategy="partial", max_staleness=100)
     stream = _Stream()
     first = sched.run(stream(4), stream)
-    assert len(first.groups) == 4 and first.info["pool_groups"] == 4  # 2x over-provisioned
-    assert first.info["offpolicy_token_frac"] == 0.0
+    assert len(first.groups) == 4 and first.figures.pool_groups == 4  # 2x over-provisioned
+    assert first.figures.offpolicy_token_frac == 0.0
     sched.publish(1)
     second = sched.run(stream(4), stream)
     carried = [t for g in second.groups for t in g.trajectories if t.versions and
@@ -135,10 +135,10 @@ def test_partial_stops_at_the_target_and_reports_off_policy_tokens(model) -> Non
     assert carried, "pooled responses begun under version 0 should be delivered first"
     old = sum(v == 0 for g in second.groups for t in g.trajectories for v in t.versions)
     tokens = sum(len(t.response_ids) for g in second.groups for t in g.trajectories)
-    assert second.info["offpolicy_token_frac"] == pytest.approx(old / tokens)
-    assert second.info["staleness_max"] == 1
-    summary = summarize_rollout([first.info, second.info])
-    assert summary["staleness_max"] == 1 and summary["pool_groups"] == second.info["pool_groups"]
+    assert second.figures.offpolicy_token_frac == pytest.approx(old / tokens)
+    assert second.figures.staleness_max == 1
+    summary = (first.figures + second.figures).metrics()
+    assert summary["staleness_max"] == 1 and summary["pool_groups"] == second.figures.pool_groups
 
 
 def test_staleness_cap_restarts_old_partials_and_counts_them(model) -> None:
@@ -151,8 +151,8 @@ def test_staleness_cap_restarts_old_partials_and_counts_them(model) -> None:
     assert partial_tokens > 0
     sched.publish(3)  # three versions later: every pooled partial is too old
     report = sched.run(stream(4), stream)
-    assert report.info["stale_dropped_tokens"] == partial_tokens
-    assert report.info["stale_dropped"] > 0
+    assert report.figures.stale_dropped_tokens == partial_tokens
+    assert report.figures.stale_dropped > 0
     for g in report.groups:
         for t in g.trajectories:
             assert all(v == 3 for v in t.versions), "a stale token reached the learner"
@@ -174,10 +174,10 @@ def test_grouped_speculation_leaves_outputs_unchanged(model, temperature) -> Non
     for g, h in zip(spec.groups, plain.groups):
         for a, b in zip(g.trajectories, h.trajectories):
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
-    assert spec.info["spec_verifies"] > 0
+    assert spec.figures.spec_verifies > 0
     if temperature == 0.0:
-        assert spec.info["forward_passes"] < plain.info["forward_passes"]
-        assert 1 + spec.info["spec_accepted"] / spec.info["spec_verifies"] > 2.0
+        assert spec.figures.forward_passes < plain.figures.forward_passes
+        assert 1 + spec.figures.spec_accepted / spec.figures.spec_verifies > 2.0
 
 
 def test_speculation_keeps_the_sampling_distribution(model) -> None:
@@ -222,9 +222,9 @@ def test_spec_reuse_drafts_from_the_previous_epoch(model) -> None:
         (r1, _), (r2, p2) = epochs
         assert [[t.response_ids for t in g.trajectories] for g in r2.groups] == \
             [[t.response_ids for t in g.trajectories] for g in p2.groups]
-        assert r1.info["spec_verifies"] == 0 and r2.info["spec_verifies"] > 0
+        assert r1.figures.spec_verifies == 0 and r2.figures.spec_verifies > 0
         if temperature == 0.0:
-            assert r2.info["forward_passes"] <= 0.5 * p2.info["forward_passes"]
+            assert r2.figures.forward_passes <= 0.5 * p2.figures.forward_passes
 
 
 def test_spec_rl_rule_accepts_everything_under_an_unchanged_policy(model) -> None:
@@ -291,8 +291,8 @@ def test_coupled_reuse_keeps_seeds_and_reproduces_an_unchanged_policy(model) -> 
     second = sched.run(prompts)
     responses = [[t.response_ids for t in g.trajectories] for g in first.groups]
     assert [[t.response_ids for t in g.trajectories] for g in second.groups] == responses
-    assert second.info["spec_accepted"] == sum(len(r) for g in responses for r in g)
-    assert second.info["forward_passes"] < first.info["forward_passes"]
+    assert second.figures.spec_accepted == sum(len(r) for g in responses for r in g)
+    assert second.figures.forward_passes < first.figures.forward_passes
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -303,3 +303,23 @@ def test_coupled_reuse_keeps_seeds_and_reproduces_an_unchanged_policy(model) -> 
             for t, seed in zip([t for g in third.groups for t in g.trajectories], seeds)]
     assert [t.response_ids for g in third.groups for t in g.trajectories] == want
     assert plain.run(prompts).groups  # the same engine settings decode without drafts
+
+
+def test_rollout_figures_of_rounds_add_with_ratios_weighted():
+    """Two rounds' figures add like RewardStats: counts sum, ratios weighted by their own
+    denominators (not averaged), the maximum kept, the pool the later round's."""
+    from rollwise.rollout import RolloutFigures
+
+    a = RolloutFigures(makespan_s=1.0, generated_tokens=10, trained_tokens=10,
+                       offpolicy_tokens=0, staleness_sum=0, staleness_count=2,
+                       pool_groups=3, lengths=[4, 6])
+    b = RolloutFigures(makespan_s=3.0, generated_tokens=30, trained_tokens=30,
+                       offpolicy_tokens=15, staleness_sum=6, staleness_count=4,
+                       staleness_max=2, spec_verifies=2, spec_accepted=3, pool_groups=1,
+                       lengths=[5, 5, 10, 10])
+    m = (a + b).metrics()
+    assert m["offpolicy_token_frac"] == 15 / 40 and m["staleness_mean"] == 1.0
+    assert m["staleness_max"] == 2 and m["pool_groups"] == 1
+    assert m["rollout_makespan_s"] == 4.0 and m["spec_accepted_len"] == 2.5
+    assert (a + b).lengths == [4, 6, 5, 5, 10, 10] and (a + b).tokens_per_s == 10.0
+    assert "spec_accepted_len" not in a.metrics()

@@ -19,6 +19,7 @@ import torch
 from rollwise.bench.common import load_workload, median
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.models.tiny import teacher_forced_batch
+from rollwise.rollout import RolloutFigures
 from rollwise.rollout.scheduler import RolloutScheduler
 
 SHIFT_STEPS, SHIFT_LR = 4, 2e-4  # the policy change between the epochs of spec-reuse
@@ -39,7 +40,8 @@ def _scheduler(policy, name: str, params: SamplingParams, slots: int, seed: int,
         lenience=lenience)
 
 
-def _run_steps(sched: RolloutScheduler, prompts: list, steps: int, per_step: int) -> list[dict]:
+def _run_steps(sched: RolloutScheduler, prompts: list, steps: int,
+               per_step: int) -> list[RolloutFigures]:
     cursor = steps * per_step  # over-provisioned groups come from beyond the measured steps
 
     def fetch(k: int) -> list:
@@ -51,7 +53,7 @@ def _run_steps(sched: RolloutScheduler, prompts: list, steps: int, per_step: int
     infos = []
     for i in range(steps):
         report = sched.run(prompts[i * per_step: (i + 1) * per_step], fetch)
-        infos.append(report.info)
+        infos.append(report.figures)
         sched.publish(sched.version + 1)
     return infos
 
@@ -74,23 +76,18 @@ def _measure(policy, name: str, prompts: list, params: SamplingParams, steps: in
     finally:
         if saved is not None:
             policy.model.load_state_dict(saved)
-    gen = sum(i["generated_tokens"] for i in infos)
-    span = sum(i["makespan_s"] for i in infos)
-    verifies = sum(i["spec_verifies"] for i in infos)
-    lengths = [n for i in infos for n in i["lengths"]]
+    f = sum(infos, RolloutFigures())
+    gen, span, lengths = f.generated_tokens, f.makespan_s, f.lengths
     return {
         "strategy": name, "tokens_per_s": gen / span, "makespan_s": span / steps,
-        "tail_time_s": sum(i["tail_time_s"] for i in infos) / steps,
-        "forward_passes": sum(i["forward_passes"] for i in infos), "generated_tokens": gen,
-        "forward_passes_per_token": sum(i["forward_passes"] for i in infos) / max(gen, 1),
-        "row_forwards_per_token": sum(i["row_forwards"] for i in infos) / max(gen, 1),
-        "mean_accepted_len": (1 + sum(i["spec_accepted"] for i in infos) / verifies
-                              if verifies else None),
-        "offpolicy_token_frac": sum(i["offpolicy_token_frac"] * i["trained_tokens"]
-                                    for i in infos) / max(1, sum(i["trained_tokens"]
-                                                                  for i in infos)),
-        "staleness_max": max(i["staleness_max"] for i in infos),
-        "stale_dropped": sum(i["stale_dropped"] for i in infos),
+        "tail_time_s": f.tail_time_s / steps,
+        "forward_passes": f.forward_passes, "generated_tokens": gen,
+        "forward_passes_per_token": f.forward_passes / max(gen, 1),
+        "row_forwards_per_token": f.row_forwards / max(gen, 1),
+        "mean_accepted_len": (1 + f.spec_accepted / f.spec_verifies
+                              if f.spec_verifies else None),
+        "offpolicy_token_frac": f.offpolicy_token_frac,
+        "staleness_max": f.staleness_max, "stale_dropped": f.stale_dropped,
         "trained_groups": len(lengths) // params.n,
         "mean_trained_len": sum(lengths) / max(len(lengths), 1),
         "length_hist": _hist(lengths, params.max_tokens)}

@@ -9,8 +9,9 @@ plain path for engines without the request-level API (HF `generate`).
 
 from __future__ import annotations
 
+from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scheduler import STRATEGIES, RolloutScheduler, StepReport
-from rollwise.rollout.stage import RolloutStage, generate_groups, summarize_rollout
+from rollwise.rollout.stage import RolloutStage, generate_groups
 
-__all__ = ["STRATEGIES", "RolloutScheduler", "RolloutStage", "StepReport", "generate_groups",
-           "summarize_rollout"]
+__all__ = ["STRATEGIES", "RolloutFigures", "RolloutScheduler", "RolloutStage", "StepReport",
+           "generate_groups"]

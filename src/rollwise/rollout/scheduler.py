@@ -37,6 +37,7 @@ from typing import Any
 from rollwise.engine.base import Completion, RequestEngine, SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.rollout.drafts import GroupNgramIndex
+from rollwise.rollout.figures import RolloutFigures
 from rollwise.types import EncodedPrompt, Group, Sample, Trajectory
 
 STRATEGIES = ("sync", "continuous", "partial", "context", "partial+context")
@@ -74,7 +75,7 @@ class _PendingGroup:
 @dataclass
 class StepReport:
     groups: list[Group]
-    info: dict[str, Any] = field(default_factory=dict)
+    figures: RolloutFigures = field(default_factory=RolloutFigures)
 
 
 class RolloutScheduler:
@@ -174,7 +175,7 @@ class RolloutScheduler:
                 if g.uid in delivered:
                     self.previous[tuple(g.ids)] = [s.done for s in g.slots]
                     self.previous_seeds[tuple(g.ids)] = [s.seed for s in g.slots]
-        return StepReport(out, self._info(out, before, makespan, done_times, stale))
+        return StepReport(out, self._figures(out, before, makespan, done_times, stale))
 
     def _new_group(self, sample: Sample, ids: list[int], n: int) -> _PendingGroup:
         uid = self._uid
@@ -270,8 +271,8 @@ class RolloutScheduler:
             Trajectory.from_completion(prompt, s.done, self.decode, self.version,
                                        {"rollout_done": s.finished_at}) for s in g.slots])
 
-    def _info(self, groups: list[Group], before, makespan: float, done_times: list[float],
-              stale: dict[str, int]) -> dict[str, Any]:
+    def _figures(self, groups: list[Group], before, makespan: float,
+                 done_times: list[float], stale: dict[str, int]) -> RolloutFigures:
         s = self.engine.stats
         trajs = [t for g in groups for t in g.trajectories]
         tokens = sum(len(t.response_ids) for t in trajs)
@@ -279,18 +280,16 @@ class RolloutScheduler:
         ages = [self.version - min(t.versions) for t in trajs if t.versions]
         times = sorted(done_times)
         p90 = times[min(len(times) - 1, int(0.9 * len(times)))] if times else makespan
-        generated = s.generated_tokens - before.generated_tokens
-        return {
-            "makespan_s": makespan, "tail_time_s": makespan - p90,
-            "generated_tokens": generated, "tokens_per_s": generated / max(makespan, 1e-9),
-            "forward_passes": s.forward_passes - before.forward_passes,
-            "row_forwards": s.row_forwards - before.row_forwards,
-            "trained_tokens": tokens, "offpolicy_token_frac": old / max(tokens, 1),
-            "staleness_mean": sum(ages) / max(len(ages), 1), "staleness_max": max(ages or [0]),
-            "spec_verifies": s.spec_verifies - before.spec_verifies,
-            "spec_accepted": s.spec_accepted - before.spec_accepted,
-            "pool_groups": len(self.pool), "lengths": [len(t.response_ids) for t in trajs],
-            **stale}
+        return RolloutFigures(
+            makespan_s=makespan, tail_time_s=makespan - p90,
+            generated_tokens=s.generated_tokens - before.generated_tokens,
+            forward_passes=s.forward_passes - before.forward_passes,
+            row_forwards=s.row_forwards - before.row_forwards,
+            trained_tokens=tokens, offpolicy_tokens=old, staleness_sum=sum(ages),
+            staleness_count=len(ages), staleness_max=max(ages or [0]),
+            spec_verifies=s.spec_verifies - before.spec_verifies,
+            spec_accepted=s.spec_accepted - before.spec_accepted,
+            pool_groups=len(self.pool), lengths=[len(t.response_ids) for t in trajs], **stale)
 
     # -- state (checkpoints) ---------------------------------------------------------------
 

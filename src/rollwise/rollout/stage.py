@@ -17,6 +17,7 @@ from typing import Any
 
 from rollwise.engine.base import Engine, SamplingParams
 from rollwise.rewards.pool import RewardStats
+from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scheduler import RolloutScheduler
 from rollwise.types import EncodedPrompt, Group, Trajectory
 
@@ -46,7 +47,7 @@ class RolloutStage:
                  fetch: Callable[[int], list[EncodedPrompt]] | None = None):
         self.engine, self.sampling, self.decode = engine, sampling, decode
         self.scorer, self.scheduler, self.fetch = scorer, scheduler, fetch
-        self._reports: list[dict] = []
+        self._figures: list[RolloutFigures] = []  # this step's rounds
         # (group, its scoring) in the order they completed; held by the group itself, not
         # its id(), so a dropped group's address reused by a new one cannot match
         self._scoring: list[tuple[Group, Future]] = []
@@ -59,7 +60,7 @@ class RolloutStage:
         if self.scheduler is not None:
             report = self.scheduler.run(prompts, self.fetch, sizes=sizes,
                                         on_group=self._score_later)
-            self._reports.append(report.info)
+            self._figures.append(report.figures)
             return report.groups
         by_n: dict[int, list[int]] = {}
         for i, n in enumerate(sizes):
@@ -97,8 +98,8 @@ class RolloutStage:
 
     def metrics(self) -> dict[str, float]:
         """The scheduler's figures over this step's rounds ({} on the plain path); resets."""
-        reports, self._reports = self._reports, []
-        return summarize_rollout(reports) if reports else {}
+        rounds, self._figures = self._figures, []
+        return sum(rounds, RolloutFigures()).metrics() if rounds else {}
 
     def publish(self, version: int) -> None:
         self.engine.publish(version)
@@ -111,25 +112,3 @@ class RolloutStage:
         if self.scheduler is not None and state is not None:
             self.scheduler.load_state_dict(state)
 
-
-def summarize_rollout(infos: list[dict]) -> dict[str, float]:
-    """One step's scheduler figures (over its rollout rounds) for the metrics record."""
-    def total(key: str) -> float:
-        return sum(i[key] for i in infos)
-
-    trained = total("trained_tokens")
-    verifies = total("spec_verifies")
-    out = {
-        "rollout_makespan_s": total("makespan_s"), "rollout_tail_s": total("tail_time_s"),
-        "rollout_forward_passes": total("forward_passes"),
-        "rollout_generated_tokens": total("generated_tokens"),
-        "offpolicy_token_frac": sum(i["offpolicy_token_frac"] * i["trained_tokens"]
-                                    for i in infos) / max(trained, 1),
-        "staleness_mean": sum(i["staleness_mean"] * len(i["lengths"]) for i in infos)
-        / max(sum(len(i["lengths"]) for i in infos), 1),
-        "staleness_max": max(i["staleness_max"] for i in infos),
-        "stale_dropped": total("stale_dropped"), "pool_groups": infos[-1]["pool_groups"],
-    }
-    if verifies:
-        out["spec_accepted_len"] = 1.0 + total("spec_accepted") / verifies
-    return out
