@@ -286,13 +286,15 @@ def test_lookup_unknown_name_lists_registered_names() -> None:
         lookup(kl_estimators, "k4", "KL estimator")
     msg = str(err.value)
     assert "KL estimator" in msg and "'k4'" in msg and "k1, k2, k3" in msg
-    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'.*registered: .*ppo"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo2' \(did you mean 'ppo'\?\)"):
         lookup(policy_losses, "ppo2", "policy loss")
     assert lookup(advantage_estimators, "grpo", "advantage estimator") is grpo
 
 
 def test_register_adds_and_refuses_duplicates() -> None:
-    registry: dict = {}
+    from rollwise.registry import Registry
+
+    registry: Registry = Registry("thing")
 
     @register(registry, "double")
     def double(x):

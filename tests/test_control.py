@@ -220,5 +220,15 @@ def test_merge_groups_joins_rounds_per_prompt():
 
 
 def test_unknown_allocator_names_the_choices():
-    with pytest.raises(ValueError, match="unknown; available: uniform, dynamic"):
+    with pytest.raises(ValueError, match=r"unknown allocator 'thomson' \(did you mean "
+                       r"'thompson'\?\); accepted: .*dynamic.*uniform"):
         make_allocator("thomson")
+
+
+def test_allocator_option_no_allocator_takes_is_an_error():
+    """Options meant for another allocator are left out; one no allocator takes (a typo)
+    is an error instead of vanishing."""
+    assert make_allocator("uniform", max_rounds=5).name == "uniform"  # dynamic's option
+    with pytest.raises(ValueError, match=r"unknown allocator option 'max_round' \(did you "
+                       r"mean 'max_rounds'\?\)"):
+        make_allocator("dynamic", max_round=5)

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_policy": "rollwise.models", "Policy": "rollwise.models.policy",
     "Sample": "rollwise.types", "Trajectory": "rollwise.types", "Group": "rollwise.types",
-    "Batch": "rollwise.types",
+    "Batch": "rollwise.types", "train": "rollwise.api",
 }
 
 
@@ -26,4 +26,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'rollwise' has no attribute '{name}'")
 
 
-__all__ = ["Batch", "Group", "Policy", "Sample", "Trajectory", "__version__", "load_policy"]
+__all__ = ["Batch", "Group", "Policy", "Sample", "Trajectory", "__version__", "load_policy",
+           "train"]

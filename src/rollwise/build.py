@@ -6,6 +6,8 @@ part it builds takes plain arguments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rollwise.algos import (
@@ -29,6 +31,7 @@ from rollwise.rollout import RolloutScheduler, RolloutStage
 from rollwise.runtime import configure as configure_runtime
 from rollwise.stages import Stages, encode_prompts
 from rollwise.tasks import Task, make_task
+from rollwise.types import CORRECT
 
 __all__ = ["Stages", "build", "build_policy", "encode_prompts"]
 
@@ -47,7 +50,9 @@ def build_policy(cfg: Config, task: Task) -> Policy:
     return policy
 
 
-def build(cfg: Config) -> Stages:
+def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None) -> Stages:
+    """`rewards`: the caller's own verifiers (name -> (function, weight)) besides the
+    config's terms; the Python API (`rollwise.train`) passes them."""
     from rollwise.preflight import check_config
 
     check_config(cfg)  # names and devices, before the model loads
@@ -58,8 +63,9 @@ def build(cfg: Config) -> Stages:
     task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
                      chat=chat, path=t.path, **t.options)
     _check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
-    specs = [RewardSpec(name, task.verifier if name == "correct" else get_verifier(name), w)
+    specs = [RewardSpec(name, task.verifier if name == CORRECT else get_verifier(name), w)
              for name, w in t.rewards.items() if name not in GROUP_REWARDS]
+    specs += [RewardSpec(name, fn, w) for name, (fn, w) in (rewards or {}).items()]
     # Verifier worker processes are forked before the model exists: forked later, each would
     # keep a copy-on-write copy of every page training then writes (weights, KV cache).
     train_pool = RewardPool(specs, timeout_s=t.reward_timeout_s).start()

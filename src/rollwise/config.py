@@ -253,10 +253,10 @@ class ControlConfig(_Section):
     """Rollout allocation: which prompts each step rolls out, how many rollouts each
     (docs/allocation.md). Keys prefixed with an allocator's name only affect that allocator."""
 
-    allocator: Literal[
-        "uniform", "dynamic", "thompson", "pilot_commit", "dars", "vcrl", "gdro"
-    ] = Field("uniform", description="uniform (fixed G per prompt), dynamic (DAPO refill), "
-              "thompson (VADE), pilot_commit, dars, vcrl or gdro.")
+    allocator: str = Field(
+        "uniform", description="uniform (fixed G per prompt), dynamic (DAPO refill), "
+        "thompson (VADE), pilot_commit, dars, vcrl, gdro, or \"package.module:Class\" "
+        "(docs/extending.md).")
     explore: float = Field(
         0.125, ge=0, le=1, description="Exploration floor: share of each step's prompt slots "
         "filled from a uniform stream (thompson, vcrl), so no prompt starves.")

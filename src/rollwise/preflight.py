@@ -17,16 +17,18 @@ def check_config(cfg: Config) -> None:
     """Raise ConfigError naming the key of the first problem found."""
     _check_algorithms(cfg)
     _check_rewards(cfg)
+    _check_allocator(cfg)
     _check_task_and_model(cfg)
     _check_combinations(cfg)
     check_device(cfg.run.device)
 
 
-def _known(key: str, name: str, registry, kind: str) -> None:
-    from rollwise.rewards.verifiers import unknown_name_error
-
-    if name not in registry:
-        raise ConfigError(f"{key}: {unknown_name_error(kind, name, list(registry))}")
+def _known(key: str, name: str, registry, kind: str = "") -> None:
+    """`name` is registered, or an import path that imports and fits the signature."""
+    try:
+        registry.get(name)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def _check_algorithms(cfg: Config) -> None:
@@ -43,15 +45,22 @@ def _check_algorithms(cfg: Config) -> None:
 def _check_rewards(cfg: Config) -> None:
     from rollwise.rewards.group import GROUP_REWARDS
     from rollwise.rewards.verifiers import VERIFIERS
+    from rollwise.types import CORRECT
 
     t = cfg.task
-    names = {**VERIFIERS, **GROUP_REWARDS, "correct": None}
-    for name in t.rewards:
-        _known(f"task.rewards.{name}", name, names, "reward term")
+    for name in t.rewards:  # the task's own verifier, a group term, or a verifier
+        if name != CORRECT and name not in GROUP_REWARDS:
+            _known(f"task.rewards.{name}", name, VERIFIERS)
     for name in t.reward_options:
         if name not in GROUP_REWARDS:
             raise ConfigError(f"task.reward_options.{name}: options apply to group reward "
                               f"terms ({', '.join(sorted(GROUP_REWARDS))}); '{name}' is not one")
+
+
+def _check_allocator(cfg: Config) -> None:
+    from rollwise.control.allocators import ALLOCATORS
+
+    _known("control.allocator", cfg.control.allocator, ALLOCATORS)
 
 
 def _check_task_and_model(cfg: Config) -> None:

@@ -19,12 +19,12 @@ Simplifications, stated up front: the whitening of REINFORCE++ uses the populati
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 
 from rollwise.algos.registry import advantage_estimators, register
+from rollwise.registry import accepted_options, accepts  # noqa: F401 (re-exported)
 
 
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,13 +238,6 @@ def pass_at_k(rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 4,
     return adv.to(rewards.dtype)
 
 
-def accepts(fn, name: str) -> bool:
-    """Whether `fn` takes keyword `name` (by name, or through **kwargs)."""
-    params = inspect.signature(fn).parameters
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
-                                 for p in params.values())
-
-
 def call_estimator(fn, rewards: torch.Tensor, group_ids: torch.Tensor,
                    inputs: dict[str, torch.Tensor], options: dict | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -255,6 +248,5 @@ def call_estimator(fn, rewards: torch.Tensor, group_ids: torch.Tensor,
         raise ValueError(f"non-finite rewards at rows {bad[:5]} (values "
                          f"{[float(rewards[i]) for i in bad[:5]]}); a reward term returned NaN "
                          "or inf")
-    chosen = {k: v for k, v in inputs.items() if accepts(fn, k)}
-    out = fn(rewards, group_ids, **chosen, **(options or {}))
+    out = fn(rewards, group_ids, **accepted_options(fn, inputs), **(options or {}))
     return out if isinstance(out, tuple) else (out, None)

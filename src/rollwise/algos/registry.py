@@ -1,25 +1,24 @@
-"""Name registries for the algorithm functions. One signature per kind (see each module)."""
+"""Name registries for the algorithm functions. One signature per kind (see each module);
+`takes` is what the learner passes positionally, checked for users' own functions."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-advantage_estimators: dict[str, Callable] = {}
-policy_losses: dict[str, Callable] = {}
-kl_estimators: dict[str, Callable] = {}
-corrections: dict[str, Callable] = {}
+from rollwise.registry import Registry
+
+advantage_estimators: Registry[Callable] = Registry(
+    "advantage estimator", takes=("rewards", "group_ids"))
+policy_losses: Registry[Callable] = Registry(
+    "policy loss", takes=("logprobs", "old_logprobs", "advantages", "mask"))
+kl_estimators: Registry[Callable] = Registry("KL estimator", takes=("logprobs", "ref_logprobs"))
+corrections: Registry[Callable] = Registry(
+    "correction", takes=("old_logprobs", "behaviour_logprobs", "mask"))
 
 
-def register(registry: dict[str, Callable], name: str) -> Callable[[Callable], Callable]:
+def register(registry: Registry, name: str) -> Callable[[Callable], Callable]:
     """Decorator: `@register(policy_losses, "ppo")` adds a function under a name."""
-
-    def add(fn: Callable) -> Callable:
-        if name in registry:
-            raise ValueError(f"'{name}' is already registered")
-        registry[name] = fn
-        return fn
-
-    return add
+    return registry.register(name)
 
 
 def zero_at_zero_advantage(fn: Callable) -> Callable:
@@ -37,9 +36,7 @@ def is_zero_at_zero_advantage(fn: Callable) -> bool:
     return bool(getattr(fn, "zero_at_zero_advantage", False))
 
 
-def lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
-    """The function registered as `name`, or an error listing what is registered."""
-    try:
-        return registry[name]
-    except KeyError:
-        raise ValueError(f"unknown {kind} '{name}'; registered: {', '.join(sorted(registry))}") from None
+def lookup(registry: Registry, name: str, kind: str = "") -> Callable:
+    """The function registered as `name` (or at "package.module:function"); an error with
+    the closest registered name otherwise. `kind` is the registry's own (kept for callers)."""
+    return registry.get(name)

@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 from rollwise.control.controller import Controller, Group, Request, prompt_id
+from rollwise.registry import Registry, accepted_options, unknown_name_error
 
 
 def _requests(prompts: list, n: int) -> list[Request]:
@@ -407,16 +408,19 @@ class Gdro:
         self.assigned = {k: int(v) for k, v in state.get("bins", {}).items()}
 
 
-ALLOCATORS: dict[str, type] = {cls.name: cls for cls in (
-    Uniform, Dynamic, Thompson, PilotCommit, Dars, Vcrl, Gdro)}
+ALLOCATORS: Registry[type] = Registry("allocator")
+for _cls in (Uniform, Dynamic, Thompson, PilotCommit, Dars, Vcrl, Gdro):
+    ALLOCATORS.register(_cls.name)(_cls)
 
 
 def make_allocator(name: str, **options: Any):
-    """The allocator registered as `name`, given the options its constructor accepts (others,
-    meant for other allocators, are ignored)."""
-    if name not in ALLOCATORS:
-        raise ValueError(f"control.allocator={name!r}: unknown; available: "
-                         f"{', '.join(ALLOCATORS)}")
-    cls = ALLOCATORS[name]
-    accepted = inspect.signature(cls).parameters
-    return cls(**{k: v for k, v in options.items() if k in accepted})
+    """The allocator registered as `name` (or at "package.module:Class"), given the options
+    its constructor accepts. The config passes every allocator's options, so those meant for
+    another allocator are left out; an option no allocator takes is an error (a typo would
+    otherwise vanish)."""
+    cls = ALLOCATORS.get(name)
+    known = {p for c in [*ALLOCATORS.values(), cls] for p in inspect.signature(c).parameters}
+    for option in options:
+        if option not in known:
+            raise unknown_name_error("allocator option", option, sorted(known))
+    return cls(**accepted_options(cls, options))

@@ -17,18 +17,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from rollwise.rewards.verifiers import after_marker, last_number, unknown_name_error
+from rollwise.registry import Registry
+from rollwise.rewards.verifiers import after_marker, last_number
 from rollwise.types import Group, Trajectory
 
 GroupReward = Callable[..., list[float]]
-GROUP_REWARDS: dict[str, GroupReward] = {}
-
-
-def _register(name: str):
-    def add(fn: GroupReward) -> GroupReward:
-        GROUP_REWARDS[name] = fn
-        return fn
-    return add
+GROUP_REWARDS: Registry[GroupReward] = Registry("group reward", takes=("trajectories",))
+_register = GROUP_REWARDS.register
 
 
 def answer_of(text: str) -> str | None:
@@ -159,9 +154,7 @@ class GroupTerm:
 
 
 def get_group_reward(name: str) -> GroupReward:
-    if name not in GROUP_REWARDS:
-        raise unknown_name_error("group reward", name, list(GROUP_REWARDS))
-    return GROUP_REWARDS[name]
+    return GROUP_REWARDS.get(name)
 
 
 def apply_group_rewards(groups: list[Group], terms: list[GroupTerm]) -> None:

@@ -11,12 +11,12 @@ Answer formats they understand (the grammars the tasks in `rollwise.tasks` produ
 
 from __future__ import annotations
 
-import difflib
 import re
 import threading
 from collections.abc import Callable
 from fractions import Fraction
 
+from rollwise.registry import Registry, unknown_name_error
 from rollwise.rewards.countdown import countdown_verifier
 from rollwise.types import Sample
 
@@ -27,17 +27,6 @@ Verifier = Callable[[str, Sample], float]
 _NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _INSTRUCT_FORMAT = re.compile(r"####\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _PLAIN_FORMAT = re.compile(r"#-?\d+(?:\.\d+)?\s*$")
-
-
-def unknown_name_error(kind: str, name: str, accepted: list[str]) -> ValueError:
-    """A ValueError naming the unknown `name`, the close match if any, and what is accepted.
-
-    >>> str(unknown_name_error("task", "arithh", ["arith", "countdown"]))
-    "unknown task 'arithh' (did you mean 'arith'?); accepted: arith, countdown"
-    """
-    close = difflib.get_close_matches(name, accepted, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ValueError(f"unknown {kind} {name!r}{hint}; accepted: {', '.join(sorted(accepted))}")
 
 
 def last_number(text: str) -> Fraction | None:
@@ -124,20 +113,19 @@ def format_reward(completion: str, sample: Sample) -> float:
     return 1.0 if ok else 0.0
 
 
-VERIFIERS: dict[str, Verifier] = {
-    "final_number": final_number,
-    "math_verify": math_verify_match,
-    "format": format_reward,
-    "countdown": countdown_verifier,
-}
+VERIFIERS: Registry[Verifier] = Registry("verifier", takes=("completion", "sample"))
+for _name, _fn in {"final_number": final_number, "math_verify": math_verify_match,
+                   "format": format_reward, "countdown": countdown_verifier}.items():
+    VERIFIERS.register(_name)(_fn)
+
+__all__ = ["VERIFIERS", "Verifier", "get_verifier", "unknown_name_error"]
 
 
 def get_verifier(name: str) -> Verifier:
-    """The registered verifier called `name`; ValueError with a suggestion when unknown.
+    """The registered verifier called `name` (or at "package.module:function");
+    ValueError with a suggestion when unknown.
 
     >>> get_verifier("final_number") is final_number
     True
     """
-    if name not in VERIFIERS:
-        raise unknown_name_error("verifier", name, list(VERIFIERS))
-    return VERIFIERS[name]
+    return VERIFIERS.get(name)

@@ -11,21 +11,18 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from rollwise.rewards.verifiers import unknown_name_error
+from rollwise.registry import Registry, unknown_name_error
 from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
 from rollwise.tasks.base import Task
 from rollwise.tasks.countdown import build_countdown
 from rollwise.tasks.files import DatasetError, build_file, load_samples
 
-TASKS: dict[str, Callable[..., Task]] = {
-    "arith": build_arith,
-    "arith_chain": build_arith_chain,
-    "arith_mix": build_arith_mix,
-    "countdown": build_countdown,
-    "file": build_file,
-}
-
 _COMMON = ("seed", "num_train", "num_eval", "chat")
+TASKS: Registry[Callable[..., Task]] = Registry("task", keywords=_COMMON)
+for _name, _builder in {"arith": build_arith, "arith_chain": build_arith_chain,
+                        "arith_mix": build_arith_mix, "countdown": build_countdown,
+                        "file": build_file}.items():
+    TASKS.register(_name)(_builder)
 
 
 def task_options(name: str) -> dict[str, Any]:
@@ -34,10 +31,9 @@ def task_options(name: str) -> dict[str, Any]:
     >>> task_options("arith")
     {'digits': 2, 'terms': 2, 'ops': '+', 'style': None}
     """
-    if name not in TASKS:
-        raise unknown_name_error("task", name, list(TASKS))
-    params = inspect.signature(TASKS[name]).parameters.values()
-    return {p.name: p.default for p in params if p.name not in _COMMON}
+    params = inspect.signature(TASKS.get(name)).parameters.values()
+    return {p.name: p.default for p in params
+            if p.name not in _COMMON and p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
 def make_task(
@@ -59,7 +55,7 @@ def make_task(
     >>> make_task("arithh")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file
+    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file, or "package.module:function"
     """
     accepted = task_options(name)
     if path is not None:
@@ -67,7 +63,8 @@ def make_task(
     for option in options:
         if option not in accepted:
             raise unknown_name_error(f"option of task {name!r}:", option, list(accepted))
-    return TASKS[name](seed=seed, num_train=num_train, num_eval=num_eval, chat=chat, **options)
+    return TASKS.get(name)(seed=seed, num_train=num_train, num_eval=num_eval, chat=chat,
+                           **options)
 
 
 __all__ = ["TASKS", "DatasetError", "Task", "load_samples", "make_task", "task_options"]

@@ -1,0 +1,140 @@
+"""One registry idiom for every name -> thing table (algorithms, verifiers, group reward
+terms, tasks, allocators), and users' own code by import path.
+
+A registry maps names to callables like a read-only dict. `get(name)` also accepts
+"package.module:attribute", imported on first use, so a user trains with their own reward
+function, verifier, task or estimator without forking rollwise (docs/extending.md). Every
+failure is one ValueError that names the problem: an unknown name (with the closest
+registered one), a module that does not import, a missing attribute, or a signature that
+cannot take the arguments rollwise passes.
+
+    >>> r = Registry("verifier", takes=("text", "sample"))
+    >>> _ = r.register("exact")(lambda text, sample: float(text == sample.answer))
+    >>> r.get("exakt")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown verifier 'exakt' (did you mean 'exact'?); accepted: exact, or "package.module:function"
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def is_import_path(name: str) -> bool:
+    """'package.module:attribute' (a registry name never has a colon)."""
+    module, sep, attr = name.partition(":")
+    return bool(sep and module and attr.isidentifier())
+
+
+def unknown_name_error(kind: str, name: str, accepted: list[str]) -> ValueError:
+    """A ValueError naming the unknown `name`, the close match if any, and what is accepted.
+
+    >>> str(unknown_name_error("task", "arithh", ["arith", "countdown"]))
+    "unknown task 'arithh' (did you mean 'arith'?); accepted: arith, countdown"
+    """
+    close = difflib.get_close_matches(name, accepted, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"unknown {kind} {name!r}{hint}; accepted: {', '.join(sorted(accepted))}")
+
+
+def accepted_options(fn: Callable, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `options` that `fn` takes as keywords (all of them if it has **kwargs).
+
+    >>> accepted_options(lambda x, *, k=1: x, {"k": 2, "other": 3})
+    {'k': 2}
+    """
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def accepts(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes keyword `name` (by name, or through **kwargs)."""
+    return name in accepted_options(fn, {name: None})
+
+
+class Registry(Mapping[str, T], Generic[T]):
+    """Names -> callables of one `kind`. `takes`: the positional arguments rollwise passes
+    to each (checked for code loaded by import path); `keywords`: keyword arguments it
+    passes besides (e.g. a task builder's seed and split sizes)."""
+
+    def __init__(self, kind: str, *, takes: tuple[str, ...] = (),
+                 keywords: tuple[str, ...] = ()):
+        self.kind, self.takes, self.keywords = kind, takes, keywords
+        self._items: dict[str, T] = {}
+        self._imported: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: `@registry.register("ppo")` adds the function under `name`."""
+        def add(thing: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.kind} '{name}' is already registered")
+            self._items[name] = thing
+            return thing
+
+        return add
+
+    def __getitem__(self, name: str) -> T:
+        return self._items[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def knows(self, name: str) -> bool:
+        """Registered, or an import path (`get` then imports and checks it)."""
+        return name in self._items or is_import_path(name)
+
+    def get(self, name: str) -> T:  # type: ignore[override]
+        """The registered `name`, or the object at "package.module:attribute"."""
+        if name in self._items:
+            return self._items[name]
+        if not is_import_path(name):
+            error = unknown_name_error(self.kind, name, list(self._items))
+            raise ValueError(f'{error}, or "package.module:function"')
+        if name not in self._imported:
+            self._imported[name] = self._load(name)
+        return self._imported[name]
+
+    def _load(self, path: str) -> T:
+        module_name, _, attr = path.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:  # ImportError, or the module's own code failing
+            raise ValueError(f"{self.kind} {path!r}: cannot import {module_name!r} "
+                             f"({type(e).__name__}: {e})") from e
+        thing = getattr(module, attr, None)
+        if thing is None:
+            raise ValueError(f"{self.kind} {path!r}: module {module_name!r} has no "
+                             f"attribute {attr!r}")
+        if not callable(thing):  # one error type for every way a path fails: ValueError
+            raise ValueError(  # noqa: TRY004
+f"{self.kind} {path!r} is a {type(thing).__name__}, not a "
+                             "function or class")
+        problem = self.misfit(thing)
+        if problem:
+            raise ValueError(f"{self.kind} {path!r}: {problem}")
+        return thing
+
+    def misfit(self, fn: Callable) -> str | None:
+        """Why `fn` cannot be called the way rollwise calls this kind, or None."""
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # builtins without a signature: trust them
+            return None
+        try:
+            signature.bind(*self.takes, **dict.fromkeys(self.keywords))
+        except TypeError as e:
+            wanted = ", ".join([*self.takes, *(f"{k}=" for k in self.keywords)])
+            return f"signature {signature} cannot take ({wanted}): {e}"
+        return None
