@@ -172,3 +172,16 @@ def test_shipped_config_values_are_the_files_values(name: str) -> None:
                 assert (list(got) if isinstance(got, tuple) else got) == value, where + key
 
     check(raw, cfg, "")
+
+
+def test_removed_dynamic_sampling_keys_name_the_allocator_that_replaces_them():
+    """filter_zero_variance / max_refill_rounds were a second DAPO dynamic sampling beside the
+    'dynamic' allocator: set, they are an error naming it; at their no-op values (every
+    config.toml written before) they still load."""
+    for key in ("algorithm.filter_zero_variance=true", "algorithm.max_refill_rounds=2"):
+        with pytest.raises(ConfigError, match=rf"{key.split('=')[0]} = .* \(--set {key}\) "
+                           r"was removed: .*control.allocator = 'dynamic'"):
+            load_config(None, [key])
+    cfg = load_config(None, ["algorithm.filter_zero_variance=false",
+                             "algorithm.max_refill_rounds=0"])
+    assert cfg.control.allocator == "uniform" and "refill" not in to_toml(cfg)

@@ -193,12 +193,6 @@ class AlgorithmConfig(_Section):
         2.0, gt=0, description="TIS weight cap C; MIS keeps ratios in [correction_low, C].")
     correction_low: float | None = Field(
         None, gt=0, description="MIS lower bound (unset: 1 / correction_cap).")
-    filter_zero_variance: bool = Field(
-        False, description="Drop groups whose rewards are all equal before the update."
-    )
-    max_refill_rounds: int = Field(
-        0, ge=0, description="DAPO dynamic sampling: extra rounds of prompts rolled out until "
-        "prompts_per_step groups pass the filter (0: no refill).")
     mask_truncated: bool = Field(
         False, description="Loss mask 0 on responses cut at max_tokens (overlong filtering).")
     overlong_buffer: int = Field(
@@ -403,8 +397,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate_config(raw, source)
 
 
+# Keys that were removed: (section, key) -> (their no-op value, what replaces them). Run
+# directories written before keep them in config.toml at the no-op value; those still load.
+_DYNAMIC = ("DAPO's dynamic sampling is one mechanism now: control.allocator = 'dynamic' "
+            "(drops zero-variance groups and rolls out more prompts, up to control.max_rounds "
+            "rounds in all; max_rounds = 1 only drops); docs/allocation.md")
+_REMOVED = {("algorithm", "filter_zero_variance"): (False, _DYNAMIC),
+            ("algorithm", "max_refill_rounds"): (0, _DYNAMIC)}
+
+
+def _drop_removed(raw: dict, source: dict[str, str]) -> None:
+    for (section, key), (inert, replacement) in _REMOVED.items():
+        table = raw.get(section)
+        if not isinstance(table, dict) or key not in table:
+            continue
+        value = table.pop(key)
+        if value != inert:
+            where = source.get(f"{section}.{key}", "config")
+            raise ConfigError(f"{section}.{key} = {value!r} ({where}) was removed: "
+                              f"{replacement}")
+
+
 def validate_config(raw: dict, source: dict[str, str] | None = None) -> Config:
     source = source or {}
+    _drop_removed(raw, source)
     _check_keys(raw, Config, (), source)
     try:
         return Config.model_validate(raw)

@@ -2,9 +2,9 @@
 
     for each step:
         select prompts -> roll out groups -> score -> filter -> advantages -> update -> publish
-        (the allocator sees each round's scores and may ask for another round: docs/allocation.md)
-        (while the filter leaves fewer groups than a batch, select and roll out more: at
-        most `stages.refill_rounds` times; DAPO's dynamic sampling)
+        (the allocator sees each round's scores and may ask for another round, and picks
+        the groups to train on: DAPO's dynamic sampling is the 'dynamic' allocator;
+        docs/allocation.md)
     evaluate before and after (and every N steps); checkpoint every N steps or minutes, at
     the end, and on Ctrl-C (always the state after the last completed step).
 """
@@ -69,17 +69,7 @@ def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
             groups = stages.rollout(requests)
         with timer("reward"):
             reward_stats = reward_stats + stages.score(groups)
-    groups, chosen = stages.allocation()  # all groups of the step; those to train on
-    kept = stages.filter(chosen)
-    for _ in range(stages.refill_rounds):
-        if len(kept) >= stages.batch_groups:
-            break
-        with timer("rollout"):
-            more = stages.rollout(stages.select())
-        with timer("reward"):
-            reward_stats = reward_stats + stages.score(more)
-        groups, kept = groups + more, kept + stages.filter(more)
-    kept = kept[: stages.batch_groups]
+    groups, kept = stages.allocation()  # all groups of the step; those to train on
     with defer_interrupt():  # Ctrl-C waits until the update is recorded
         with timer("train"):
             update = stages.update(stages.advantages(kept)) if kept else {}

@@ -17,7 +17,6 @@ from rollwise.evaluate import Evaluator
 from rollwise.learner import Learner, prepare_batch
 from rollwise.models import Policy
 from rollwise.rewards import RewardPool, RewardStats
-from rollwise.rewards.filters import drop_zero_variance
 from rollwise.rewards.group import GroupTerm, apply_group_rewards
 from rollwise.rollout import RolloutStage
 from rollwise.tasks import Task
@@ -41,8 +40,6 @@ class Stages:
     group_rewards: list[GroupTerm] = field(default_factory=list)  # after the verifiers
     mask_truncated: bool = False
     kl_in_reward: float = 0.0  # KL coefficient of the KL-in-reward penalty (0: off)
-    filter_zero_variance: bool = False
-    refill_rounds: int = 0  # extra select/rollout rounds while the filter leaves too few
     info: dict[str, Any] = field(default_factory=dict)  # figures of the build, for the summary
 
     @property
@@ -52,11 +49,6 @@ class Stages:
     @property
     def engine(self):
         return self.rollout_stage.engine
-
-    @property
-    def batch_groups(self) -> int:
-        """Groups one update trains on (the filter may leave fewer; refills top it up)."""
-        return self.sampler.per_step
 
     def select(self) -> list[Request]:
         """The allocator's first round of the step: which prompts, how many rollouts each."""
@@ -81,9 +73,6 @@ class Stages:
     def control_metrics(self) -> dict[str, float]:
         """The allocator's figures and the rollout scheduler's, for this step's record."""
         return dict(self.control.last) | self.rollout_stage.metrics()
-
-    def filter(self, groups: list[Group]) -> list[Group]:
-        return drop_zero_variance(groups) if self.filter_zero_variance else groups
 
     def advantages(self, groups: list[Group]) -> Batch:
         return prepare_batch(
