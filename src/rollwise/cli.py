@@ -134,8 +134,11 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
     before = summary.get("eval_before", {}).get("accuracy")
     after = summary["eval_after"]["accuracy"]
     change = f"{before:.1%} -> {after:.1%}" if before is not None else f"{after:.1%}"
-    problems = summary.get("health_problem_steps", 0)
-    warn = f" | WARNING: {problems} steps learned nothing (see the step lines)" if problems else ""
+    problems, steps = summary.get("health_problem_steps", 0), summary.get("steps", 0)
+    # a GRPO step whose groups all have equal rewards is normal now and then; the final
+    # line warns only when a quarter of the steps or more had a problem
+    warn = (f" | WARNING: {problems} of {steps} steps learned nothing (see the step lines)"
+            if problems and 4 * problems >= max(steps, 1) else "")
     console.print(f"[bold green]done[/]: held-out greedy accuracy {change} in "
                   f"{summary['train_seconds']:.0f}s of training ({summary['steps']} steps) | "
                   f"run: {root} | report: {summary['report']}{warn}", highlight=False)
