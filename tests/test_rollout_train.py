@@ -68,8 +68,29 @@ def test_interrupted_partial_run_resumes_its_pool_exactly(tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     (["rollout.engine='hf'", "rollout.strategy='partial'"], "needs the native engine"),
     (["rollout.engine='hf'", "rollout.spec_group=true"], "rollout.spec_group needs"),
-    (["rollout.strategy='partial'", "control.allocator='dars'"], "uniform allocator"),
 ])
 def test_configs_that_cannot_work_are_refused(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         build(small(tmp_path, *extra))
+
+
+@pytest.mark.parametrize("allocator", ["dynamic", "pilot_commit"])
+def test_partial_rollouts_take_their_extra_prompts_from_the_controller(tmp_path, allocator):
+    """Over-provisioned groups come from the controller (not the sampler behind its back),
+    and pooled groups of earlier steps reach the allocator like any other: partial rollouts
+    work with every allocator, not only the uniform one."""
+    stages = build(small(tmp_path, "rollout.strategy='partial'",
+                         f"control.allocator='{allocator}'"))
+    asked: list[int] = []
+    extra = stages.control.extra
+    stages.rollout_stage.fetch = lambda k: (asked.append(k), extra(k))[1]
+    for _ in range(2):  # the driver's rounds (loop.train_step)
+        requests = stages.select()
+        while requests:
+            groups = stages.rollout(requests)
+            stages.score(groups)
+            requests = stages.observe(groups)
+        rolled, train = stages.allocation()
+        assert len(train) <= 4 and len(rolled) >= max(len(train), 1)
+    assert asked and asked[0] >= 4  # 2x over-provisioning of the (at least 4-prompt) plan
+    assert stages.rollout_stage.scheduler.pool, "unfinished groups wait in the pool"

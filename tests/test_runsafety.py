@@ -197,7 +197,7 @@ def test_a_run_whose_every_reward_fails_stops_with_the_reason(tmp_path):
     """Regression: every reward erroring used to end with 'done' and exit 0."""
     cfg = small(tmp_path, "run.num_steps=10")
     stages = build(cfg)
-    stages.rewards = RewardPool([RewardSpec("correct", _always_fails)])
+    stages.rollout_stage.scorer = RewardPool([RewardSpec("correct", _always_fails)]).score
     lines = []
     run = Run(tmp_path / "r", resume=False, echo=lines.append, health=HealthCheck(patience=3))
     with pytest.raises(RunUnhealthy, match="every reward call failed"):

@@ -108,12 +108,13 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, max_tokens=r.max_tokens)
+    control = _build_control(cfg, sampler)
     rollout_stage = RolloutStage(
         engine, sampling, policy.decode, train_pool.score,
-        scheduler=_build_scheduler(cfg, engine, sampling, policy.decode), fetch=sampler.take)
+        scheduler=_build_scheduler(cfg, engine, sampling, policy.decode), fetch=control.extra)
     return Stages(
-        policy=policy, task=task, sampler=sampler, control=_build_control(cfg, sampler),
-        rollout_stage=rollout_stage, rewards=train_pool,
+        policy=policy, task=task, sampler=sampler, control=control,
+        rollout_stage=rollout_stage,
         learner=learner, evaluator=evaluator,
         advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
         advantage_options=dict(a.advantage_options), group_rewards=group_terms,
@@ -192,11 +193,6 @@ def _build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
                               "the HF engine (rollout.engine='hf' or an unsupported "
                               "architecture)")
         return None
-    if "partial" in r.strategy and cfg.control.allocator != "uniform":
-        raise ConfigError(f"rollout.strategy='{r.strategy}' returns groups from earlier steps "
-                          f"in place of requested ones, which control.allocator="
-                          f"'{cfg.control.allocator}' does not expect; use the uniform "
-                          "allocator with partial rollouts")
     return RolloutScheduler(
         engine, sampling, decode, strategy=r.strategy, over_provision=r.over_provision,
         max_staleness=r.max_staleness, chunk_tokens=r.chunk_tokens, spec_group=r.spec_group,

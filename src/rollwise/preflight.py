@@ -90,11 +90,6 @@ def _check_combinations(cfg: Config) -> None:
                           "compares the responses within a group, so every advantage would "
                           "be 0 and nothing learned; use group_size >= 2 (or a batch baseline, "
                           "algorithm.advantage = 'reinforce_pp')")
-    if "partial" in r.strategy and cfg.control.allocator != "uniform":
-        raise ConfigError(f"rollout.strategy='{r.strategy}' returns groups from earlier steps "
-                          f"in place of requested ones, which control.allocator="
-                          f"'{cfg.control.allocator}' does not expect; use the uniform "
-                          "allocator with partial rollouts")
     needs = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
         "sync", "continuous"), "rollout.spec_group": r.spec_group,
         "rollout.spec_reuse": r.spec_reuse}.items() if on]

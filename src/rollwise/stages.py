@@ -16,7 +16,7 @@ from rollwise.control import Controller, Request, UniformSampler
 from rollwise.evaluate import Evaluator
 from rollwise.learner import Learner, prepare_batch
 from rollwise.models import Policy
-from rollwise.rewards import RewardPool, RewardStats
+from rollwise.rewards import RewardStats
 from rollwise.rewards.group import GroupTerm, apply_group_rewards
 from rollwise.rollout import RolloutStage
 from rollwise.tasks import Task
@@ -31,8 +31,7 @@ class Stages:
     task: Task
     sampler: UniformSampler[EncodedPrompt]
     control: Controller  # the rollout allocator: which prompts, how many rollouts each
-    rollout_stage: RolloutStage
-    rewards: RewardPool
+    rollout_stage: RolloutStage  # rollouts and their scoring (the reward pool's `score`)
     learner: Learner
     evaluator: Evaluator
     advantage_fn: Callable

@@ -101,6 +101,13 @@ class Controller:
         """The next `k` prompts of the uniform epoch-by-epoch stream."""
         return self.sampler.take(k)
 
+    def extra(self, k: int) -> list:
+        """`k` prompts beyond the step's plan, for a rollout strategy that starts more groups
+        than it returns (partial rollouts' over-provisioning): those not finished this step
+        wait in its pool and come back as groups of a later step, which `observe` then sees
+        like any other. From the uniform stream, so no allocator has to plan for them."""
+        return self.stream(k)
+
     def floor_slots(self, k: int) -> int:
         """Of `k` prompt slots, how many the exploration floor fills from the uniform stream."""
         return min(k, math.ceil(self.explore * k))
