@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollwise.bench.e2e import Side, summarise_steps, variant_config
+from rollwise.bench.sides import Side, summarise_steps, variant_config
 
 
 def available() -> bool:
