@@ -78,3 +78,25 @@ def test_api_refuses_a_function_that_does_not_fit(tmp_path):
     with pytest.raises(ConfigError, match="'correct' is already a term"):
         rollwise.train(CONFIG, rewards={"correct": brief}, echo=None,
                        overrides=[f"run.output_dir='{tmp_path}'", *SMALL])
+
+
+def constant_task(setup, *, answer: str = "2"):
+    """A user's task: one prompt repeated, its own option `answer`."""
+    from rollwise.tasks import Task
+
+    def sample(split: str, i: int) -> Sample:
+        return Sample(f"const/{split}/{i}", "1+1=", answer)
+
+    return Task("const", [sample("train", i) for i in range(setup.num_train)],
+                [sample("eval", i) for i in range(setup.num_eval)], brief)
+
+
+def test_a_task_builder_by_import_path_gets_the_setup_and_its_own_options():
+    from rollwise.tasks import make_task, task_options
+
+    path = f"{__name__}:constant_task"
+    assert task_options(path) == {"answer": "2"}
+    task = make_task(path, seed=3, num_train=5, num_eval=2, answer="7")
+    assert (len(task.train), len(task.eval), task.train[0].answer) == (5, 2, "7")
+    with pytest.raises(ValueError, match=r"did you mean 'answer'"):
+        make_task(path, answr="7")

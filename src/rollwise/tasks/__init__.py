@@ -13,12 +13,12 @@ from typing import Any
 
 from rollwise.registry import Registry, unknown_name_error
 from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
-from rollwise.tasks.base import Task
+from rollwise.tasks.base import Task, TaskSetup
 from rollwise.tasks.countdown import build_countdown
 from rollwise.tasks.files import DatasetError, build_file, load_samples
 
-_COMMON = ("seed", "num_train", "num_eval", "chat")
-TASKS: Registry[Callable[..., Task]] = Registry("task", keywords=_COMMON)
+# a builder: (TaskSetup, **its own options) -> Task
+TASKS: Registry[Callable[..., Task]] = Registry("task", takes=("setup",))
 for _name, _builder in {"arith": build_arith, "arith_chain": build_arith_chain,
                         "arith_mix": build_arith_mix, "countdown": build_countdown,
                         "file": build_file}.items():
@@ -31,9 +31,8 @@ def task_options(name: str) -> dict[str, Any]:
     >>> task_options("arith")
     {'digits': 2, 'terms': 2, 'ops': '+', 'style': None}
     """
-    params = inspect.signature(TASKS.get(name)).parameters.values()
-    return {p.name: p.default for p in params
-            if p.name not in _COMMON and p.kind is not inspect.Parameter.VAR_KEYWORD}
+    params = list(inspect.signature(TASKS.get(name)).parameters.values())[1:]  # not the setup
+    return {p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
 def make_task(
@@ -63,8 +62,8 @@ def make_task(
     for option in options:
         if option not in accepted:
             raise unknown_name_error(f"option of task {name!r}:", option, list(accepted))
-    return TASKS.get(name)(seed=seed, num_train=num_train, num_eval=num_eval, chat=chat,
-                           **options)
+    return TASKS.get(name)(TaskSetup(seed, num_train, num_eval, chat), **options)
 
 
-__all__ = ["TASKS", "DatasetError", "Task", "load_samples", "make_task", "task_options"]
+__all__ = ["TASKS", "DatasetError", "Task", "TaskSetup", "load_samples", "make_task",
+           "task_options"]

@@ -28,7 +28,7 @@ import random
 from functools import partial
 
 from rollwise.rewards.verifiers import final_number
-from rollwise.tasks.base import Task, draw_split
+from rollwise.tasks.base import DEFAULT_SETUP, Task, TaskSetup, draw_split
 from rollwise.types import Sample
 
 _STYLES = ("instruct", "plain")
@@ -98,11 +98,8 @@ def _draw_arith(rng: random.Random, digits: int, terms: int, ops: str, style: st
 
 
 def build_arith(
+    setup: TaskSetup = DEFAULT_SETUP,
     *,
-    seed: int = 0,
-    num_train: int = 2000,
-    num_eval: int = 200,
-    chat: bool = False,
     digits: int = 2,
     terms: int = 2,
     ops: str = "+",
@@ -110,16 +107,16 @@ def build_arith(
 ) -> Task:
     """Integer arithmetic with `terms` numbers of `digits` digits and ops drawn from `ops`.
 
-    >>> task = build_arith(seed=0, num_train=3, num_eval=2, terms=3)
+    >>> task = build_arith(TaskSetup(seed=0, num_train=3, num_eval=2), terms=3)
     >>> [s.id for s in task.train], len(task.eval[0].prompt)
     (['arith/train/0', 'arith/train/1', 'arith/train/2'], 9)
     """
-    style = _check_common(digits, ops, style, chat)
+    style = _check_common(digits, ops, style, setup.chat)
     if not isinstance(terms, int) or not 2 <= terms <= 64:
         raise ValueError(f"option terms={terms!r}: expected an integer from 2 to 64")
     draw = partial(_draw_arith, digits=digits, terms=terms, ops=ops, style=style)
     train, eval_ = draw_split(
-        draw, name="arith", seed=seed, num_train=num_train, num_eval=num_eval, chat=chat,
+        draw, name="arith", setup=setup,
         unique=True,  # every prompt is equally likely, so avoiding repeats keeps the shape
     )
     return Task("arith", train, eval_, final_number)
@@ -143,11 +140,8 @@ def _draw_chain(
 
 
 def build_arith_chain(
+    setup: TaskSetup = DEFAULT_SETUP,
     *,
-    seed: int = 0,
-    num_train: int = 2000,
-    num_eval: int = 200,
-    chat: bool = False,
     p: float = 0.35,
     max_terms: int = 24,
     digits: int = 1,
@@ -156,19 +150,19 @@ def build_arith_chain(
 ) -> Task:
     """ArithChain: long-tailed number of terms, reference = running values (module docstring).
 
-    >>> task = build_arith_chain(seed=1, num_train=4, num_eval=1)
+    >>> task = build_arith_chain(TaskSetup(seed=1, num_train=4, num_eval=1))
     >>> s = task.train[0]
     >>> s.meta["terms"] == s.prompt.count("+") + 1, s.reference.endswith("#" + s.answer)
     (True, True)
     """
-    style = _check_common(digits, ops, style, chat)
+    style = _check_common(digits, ops, style, setup.chat)
     if not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
         raise ValueError(f"option p={p!r}: expected a probability in (0, 1]")
     if not isinstance(max_terms, int) or not 2 <= max_terms <= 256:
         raise ValueError(f"option max_terms={max_terms!r}: expected an integer from 2 to 256")
     draw = partial(_draw_chain, p=p, max_terms=max_terms, digits=digits, ops=ops, style=style)
     train, eval_ = draw_split(
-        draw, name="arith_chain", seed=seed, num_train=num_train, num_eval=num_eval, chat=chat,
+        draw, name="arith_chain", setup=setup,
         unique=False,  # short chains have few distinct prompts; deduping would thin them out
     )
     return Task("arith_chain", train, eval_, final_number)
@@ -191,11 +185,8 @@ def _draw_mix(rng: random.Random, levels: list[tuple[int, int]], ops: str, style
 
 
 def build_arith_mix(
+    setup: TaskSetup = DEFAULT_SETUP,
     *,
-    seed: int = 0,
-    num_train: int = 2000,
-    num_eval: int = 200,
-    chat: bool = False,
     levels: tuple[str, ...] = ("1x2", "2x2", "3x3"),
     ops: str = "+",
     style: str | None = None,
@@ -204,17 +195,17 @@ def build_arith_mix(
     ('DxT' = T numbers of D digits), so easy, medium and hard prompts share one task (for
     benchmarking rollout allocation, docs/allocation.md). meta = {"terms", "digits"}.
 
-    >>> task = build_arith_mix(seed=0, num_train=30, num_eval=3, levels=("1x2", "3x3"))
+    >>> task = build_arith_mix(TaskSetup(seed=0, num_train=30, num_eval=3), levels=("1x2", "3x3"))
     >>> sorted({(s.meta["digits"], s.meta["terms"]) for s in task.train})
     [(1, 2), (3, 3)]
     """
     parsed = [_parse_level(level) for level in levels]
-    style = _check_common(max(d for d, _ in parsed), ops, style, chat)
+    style = _check_common(max(d for d, _ in parsed), ops, style, setup.chat)
     if not parsed:
         raise ValueError("option levels=(): give at least one level, e.g. ['1x2', '2x2']")
     draw = partial(_draw_mix, levels=parsed, ops=ops, style=style)
     train, eval_ = draw_split(
-        draw, name="arith_mix", seed=seed, num_train=num_train, num_eval=num_eval, chat=chat,
+        draw, name="arith_mix", setup=setup,
         unique=True,
     )
     return Task("arith_mix", train, eval_, final_number)

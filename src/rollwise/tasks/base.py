@@ -22,6 +22,20 @@ from rollwise.types import Prompt, Sample
 EVAL_FRACTION = 0.1  # share of the prompt space reserved for eval
 
 
+@dataclass(frozen=True)
+class TaskSetup:
+    """What every task builder takes besides its own options: the seeded split sizes and
+    whether prompts are chat messages (instruction models) or plain text (the tiny model)."""
+
+    seed: int = 0
+    num_train: int = 2000
+    num_eval: int = 200
+    chat: bool = False
+
+
+DEFAULT_SETUP = TaskSetup()
+
+
 @dataclass
 class Task:
     """A prompt source with its correctness verifier."""
@@ -62,10 +76,7 @@ def draw_split(
     draw: Callable[[random.Random], Sample],
     *,
     name: str,
-    seed: int,
-    num_train: int,
-    num_eval: int,
-    chat: bool,
+    setup: TaskSetup,
     unique: bool,
 ) -> tuple[list[Sample], list[Sample]]:
     """Draw disjoint (train, eval) lists of samples from `draw` (which returns a plain-text
@@ -75,11 +86,12 @@ def draw_split(
     for uniform prompt spaces); it falls back to repeats when the space is nearly exhausted.
     Raises ValueError when a side of the partition seems empty.
     """
+    seed, num_train, num_eval, chat = setup.seed, setup.num_train, setup.num_eval, setup.chat
     if num_train < 0 or num_eval < 0:
         raise ValueError(f"num_train and num_eval must be >= 0, got {num_train}, {num_eval}")
     splits = []
-    for split, count, want_eval in (("eval", num_eval, True), ("train", num_train, False)):
-        rng = random.Random(f"{name}:{seed}:{split}")
+    for side, count, want_eval in (("eval", num_eval, True), ("train", num_train, False)):
+        rng = random.Random(f"{name}:{seed}:{side}")
         samples: list[Sample] = []
         seen: set[str] = set()
         misses, distinct = 0, unique
@@ -88,7 +100,7 @@ def draw_split(
             key = prompt_key(sample.prompt)
             fresh = not distinct or key not in seen
             if in_eval_side(key, seed, EVAL_FRACTION) == want_eval and fresh:
-                sample.id = f"{name}/{split}/{len(samples)}"
+                sample.id = f"{name}/{side}/{len(samples)}"
                 sample.prompt = as_prompt(key, chat)
                 samples.append(sample)
                 seen.add(key)
@@ -98,7 +110,7 @@ def draw_split(
             distinct = distinct and misses <= 200  # nearly exhausted: allow repeats from now on
             if misses > 100_000:
                 raise ValueError(
-                    f"task {name!r}: cannot draw {count} {split} prompts for seed {seed} "
+                    f"task {name!r}: cannot draw {count} {side} prompts for seed {seed} "
                     f"(found {len(samples)}); the prompt space is too small for "
                     f"num_train={num_train}, num_eval={num_eval}; widen the options"
                 )

@@ -23,7 +23,7 @@ import random
 from functools import partial
 
 from rollwise.rewards.countdown import countdown_verifier
-from rollwise.tasks.base import Task, draw_split
+from rollwise.tasks.base import DEFAULT_SETUP, Task, TaskSetup, draw_split
 from rollwise.types import Sample
 
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
@@ -90,11 +90,8 @@ def _draw(rng: random.Random, min_numbers: int, max_numbers: int, max_value: int
 
 
 def build_countdown(
+    setup: TaskSetup = DEFAULT_SETUP,
     *,
-    seed: int = 0,
-    num_train: int = 2000,
-    num_eval: int = 200,
-    chat: bool = False,
     min_numbers: int = 3,
     max_numbers: int = 4,
     max_value: int = 20,
@@ -103,7 +100,7 @@ def build_countdown(
 ) -> Task:
     """Countdown instances with min_numbers..max_numbers numbers from 1..max_value.
 
-    >>> task = build_countdown(seed=0, num_train=2, num_eval=2)
+    >>> task = build_countdown(TaskSetup(seed=0, num_train=2, num_eval=2))
     >>> [task.verifier(s.reference, s) for s in task.train + task.eval]
     [1.0, 1.0, 1.0, 1.0]
     """
@@ -117,13 +114,13 @@ def build_countdown(
         raise ValueError(f"option max_value={max_value!r}: expected an integer >= 2")
     if not isinstance(max_target, int) or max_target < 1:
         raise ValueError(f"option max_target={max_target!r}: expected an integer >= 1")
-    style = style or ("instruct" if chat else "plain")
+    style = style or ("instruct" if setup.chat else "plain")
     if style not in ("instruct", "plain"):
         raise ValueError(f"option style={style!r}: expected one of instruct, plain")
     draw = partial(_draw, min_numbers=min_numbers, max_numbers=max_numbers,
                    max_value=max_value, max_target=max_target, style=style)
     train, eval_ = draw_split(
-        draw, name="countdown", seed=seed, num_train=num_train, num_eval=num_eval, chat=chat,
+        draw, name="countdown", setup=setup,
         unique=True,
     )
     return Task("countdown", train, eval_, countdown_verifier)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rollwise.rewards.verifiers import get_verifier
-from rollwise.tasks.base import Task, as_prompt
+from rollwise.tasks.base import DEFAULT_SETUP, Task, TaskSetup, as_prompt
 from rollwise.tasks.base import prompt_key as prompt_text
 from rollwise.types import Prompt, Sample
 
@@ -156,11 +156,8 @@ def load_samples(
 
 
 def build_file(
+    setup: TaskSetup = DEFAULT_SETUP,
     *,
-    seed: int = 0,
-    num_train: int = 2000,
-    num_eval: int = 200,
-    chat: bool = False,
     path: str | None = None,
     prompt_key: str = "prompt",
     answer_key: str = "answer",
@@ -169,6 +166,7 @@ def build_file(
     split: str = "train",
 ) -> Task:
     """A task from a data file; see the module docstring for formats and the split."""
+    seed, num_train, num_eval, chat = setup.seed, setup.num_train, setup.num_eval, setup.chat
     if path is None:
         raise ValueError("task 'file' needs path=... (a .jsonl, .parquet or datasets directory)")
     verify = get_verifier(verifier)
