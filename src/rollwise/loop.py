@@ -73,8 +73,8 @@ def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
     with defer_interrupt():  # Ctrl-C waits until the update is recorded
         with timer("train"):
             update = stages.update(stages.advantages(kept)) if kept else {}
-        update = update | stages.publish(step + 1)
-        record = run.record_step(step + 1, num_steps, groups, kept, reward_stats, update,
-                                 timer, control=stages.control_metrics())
+        published = stages.publish(step + 1)  # its own figures (publish_seconds)
+        record = run.record_step(step + 1, num_steps, groups, kept, reward_stats,
+                                 update | published, timer, control=stages.control_metrics())
         run.snapshot(stages)
         return record
