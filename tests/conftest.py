@@ -54,6 +54,29 @@ def _random_trajectories(n: int, seed: int = 0, vocab: int = 88) -> list[Traject
     return out
 
 
+def _teacher_logprobs(model, prompts, completions) -> list[torch.Tensor]:
+    """Each completion's log-probs ([T], float64) from one teacher-forced forward pass of
+    `model` over its prompt and tokens."""
+    from rollwise.learner.logprobs import token_logprobs
+
+    out = []
+    for c in completions:
+        p = prompts[c.prompt_index]
+        ids = torch.tensor([p + c.token_ids])
+        mask = torch.zeros(ids.shape)
+        mask[0, len(p):] = 1
+        with torch.no_grad():
+            lp = token_logprobs(model, ids, torch.ones_like(ids), mask)
+        out.append(lp[0, len(p):].double())
+    return out
+
+
+@pytest.fixture
+def teacher_logprobs():
+    """Builder: teacher_logprobs(model, prompts, completions) -> [log-probs per completion]."""
+    return _teacher_logprobs
+
+
 @pytest.fixture
 def tiny_llama():
     """Builder: tiny_llama(dtype=torch.float32, seed=0) -> LlamaForCausalLM."""

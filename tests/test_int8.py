@@ -11,7 +11,6 @@ import torch
 
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.engine.decoder import _Int8Dense, int8_weight_levels
-from rollwise.learner.logprobs import token_logprobs
 
 pytestmark = pytest.mark.precision
 
@@ -59,7 +58,7 @@ def test_int8_kernel_is_exact_at_the_weight_range_used() -> None:
         assert torch.equal(torch._int_mm(x, w.t()), x.int() @ w.int().t())
 
 
-def _int8_reference_logprobs(model, engine: NativeEngine, prompts, completions):
+def _int8_reference_logprobs(teacher, model, engine: NativeEngine, prompts, completions):
     """Teacher-forced log-probs of the int8 policy: the float32 model with each quantized
     projection's output replaced by the engine's own int8 product of the same input
     (per-row quantization makes a token's result independent of the batch it is in)."""
@@ -75,16 +74,7 @@ def _int8_reference_logprobs(model, engine: NativeEngine, prompts, completions):
             hooks.append(m.register_forward_hook(
                 lambda mod, args, out, lin=lin, lo=lo, hi=hi: lin(args[0])[..., lo:hi]))
     try:
-        out = []
-        for c in completions:
-            p = prompts[c.prompt_index]
-            ids = torch.tensor([p + c.token_ids])
-            mask = torch.zeros(ids.shape)
-            mask[0, len(p):] = 1
-            with torch.no_grad():
-                lp = token_logprobs(model, ids, torch.ones_like(ids), mask)
-            out.append(lp[0, len(p):].double())
-        return out
+        return teacher(model, prompts, completions)
     finally:
         for h in hooks:
             h.remove()
@@ -95,15 +85,15 @@ def _err(ref, completions) -> float:
                             for r, c in zip(ref, completions)]).abs().mean())
 
 
-def test_int8_logprobs_are_those_of_the_int8_policy(workload) -> None:
+def test_int8_logprobs_are_those_of_the_int8_policy(workload, teacher_logprobs) -> None:
     policy, prompts = workload
     engine = NativeEngine(policy.model, dtype="int8", eos_token_ids=policy.stop_ids)
     assert engine.decoder.int8 and not engine.decoder.shared
     out = engine.generate(prompts[:8], SamplingParams(n=2, temperature=1.0, max_tokens=16,
                                                       seed=4))
-    err_int8 = _err(_int8_reference_logprobs(policy.model, engine, prompts, out), out)
-    err_fp32 = _err(_int8_reference_logprobs(policy.model, NativeEngine(
-        policy.model, eos_token_ids=policy.stop_ids), prompts, out), out)  # no hooks: float32
+    ref = _int8_reference_logprobs(teacher_logprobs, policy.model, engine, prompts, out)
+    err_int8 = _err(ref, out)
+    err_fp32 = _err(teacher_logprobs(policy.model, prompts, out), out)  # the float32 policy
     # Same int8 arithmetic, other kernels and batch shapes. Their float32 results differ by
     # ~1e-7 relative, which moves x / sx across a rounding boundary with probability ~1e-5
     # per element: with ~3,600 quantized inputs per token here, about one int8 step flips

@@ -15,7 +15,6 @@ from rollwise.algos import corrections, policy_losses
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.learner import Learner
 from rollwise.learner.batch import collate
-from rollwise.learner.logprobs import token_logprobs
 from rollwise.types import Sample, Trajectory
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
@@ -49,20 +48,6 @@ def _trajectories(prompts, completions) -> list[Trajectory]:
             for i, c in enumerate(completions)]
 
 
-def _forward_logprobs(model, prompts, completions) -> list[torch.Tensor]:
-    """Each completion's log-probs from a full forward pass of `model` (teacher forcing)."""
-    out = []
-    for c in completions:
-        p = prompts[c.prompt_index]
-        ids = torch.tensor([p + c.token_ids])
-        mask = torch.zeros(ids.shape)
-        mask[0, len(p):] = 1
-        with torch.no_grad():
-            lp = token_logprobs(model, ids, torch.ones_like(ids), mask)
-        out.append(lp[0, len(p):].double())
-    return out
-
-
 def _mean_abs(a: list[torch.Tensor], b: list[list[float]]) -> float:
     diffs = torch.cat([x - torch.tensor(y, dtype=torch.double) for x, y in zip(a, b)])
     return float(diffs.abs().mean())
@@ -79,7 +64,7 @@ def test_bf16_greedy_agrees_with_float32_on_most_prompts(workload) -> None:
     assert _engine(policy, "bfloat16").decoder.cos.dtype == torch.bfloat16
 
 
-def test_bf16_logprobs_are_those_of_the_bf16_policy(workload) -> None:
+def test_bf16_logprobs_are_those_of_the_bf16_policy(workload, teacher_logprobs) -> None:
     """The behaviour log-probs come from the precision that sampled: closer to a bfloat16
     forward pass of the same weights than to the float32 one (which the float32 engine
     matches to float32 rounding)."""
@@ -88,10 +73,10 @@ def test_bf16_logprobs_are_those_of_the_bf16_policy(workload) -> None:
     out16 = _engine(policy, "bfloat16").generate(prompts[:8], params)
     out32 = _engine(policy, "float32").generate(prompts[:8], params)
     model16 = copy.deepcopy(policy.model).to(torch.bfloat16)
-    err_same = _mean_abs(_forward_logprobs(model16, prompts, out16), [c.logprobs for c in out16])
-    err_other = _mean_abs(_forward_logprobs(policy.model, prompts, out16),
+    err_same = _mean_abs(teacher_logprobs(model16, prompts, out16), [c.logprobs for c in out16])
+    err_other = _mean_abs(teacher_logprobs(policy.model, prompts, out16),
                           [c.logprobs for c in out16])
-    err_fp32 = _mean_abs(_forward_logprobs(policy.model, prompts, out32),
+    err_fp32 = _mean_abs(teacher_logprobs(policy.model, prompts, out32),
                          [c.logprobs for c in out32])
     assert err_fp32 < 1e-5
     assert err_same < 0.02 and err_other < 0.05
