@@ -26,6 +26,7 @@ it is emulated works but warns once with the measured slowdown.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -233,7 +234,7 @@ def _learner_step(shapes: ModelShapes, precision: str, rows: int):
 
     def step():
         ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-autocast"
-               else _null())
+               else contextlib.nullcontext())
         with ctx:
             a, b = torch.nn.functional.linear(x, up).chunk(2, -1)
             y = torch.nn.functional.linear(torch.nn.functional.silu(a) * b, down)
@@ -241,14 +242,6 @@ def _learner_step(shapes: ModelShapes, precision: str, rows: int):
         up.grad = down.grad = x.grad = None
 
     return step, 3 * 2 * rows * (2 * i * h + h * i)  # forward, and backward's two products
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _gflops(work: dict[str, tuple], budget_s: float) -> dict[str, float]:
