@@ -100,3 +100,83 @@ def test_a_task_builder_by_import_path_gets_the_setup_and_its_own_options():
     assert (len(task.train), len(task.eval), task.train[0].answer) == (5, 2, "7")
     with pytest.raises(ValueError, match=r"did you mean 'answer'"):
         make_task(path, answr="7")
+
+
+@rollwise.group_reward
+def shortest_in_group(trajectories, *, bonus: float = 1.0) -> list[float]:
+    """A user's group term: `bonus` for the group's shortest responses, 0 for the others."""
+    least = min(t.num_tokens for t in trajectories)
+    return [bonus if t.num_tokens == least else 0.0 for t in trajectories]
+
+
+def _scored_groups(cfg, **kwargs):
+    stages = build(cfg, **kwargs)
+    groups = stages.rollout(stages.select())
+    stages.score(groups)
+    return groups
+
+
+def test_a_group_term_by_import_path_sees_the_group_and_takes_its_options(tmp_path):
+    path = f"{__name__}:shortest_in_group"
+    cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", *SMALL,
+                               f"task.rewards={{correct = 1.0, '{path}' = 0.5}}",
+                               f"task.reward_options={{'{path}' = {{ bonus = 3.0 }} }}"])
+    groups = _scored_groups(cfg)
+    for g in groups:
+        least = min(t.num_tokens for t in g.trajectories)
+        for t in g.trajectories:
+            want = 3.0 if t.num_tokens == least else 0.0
+            assert t.scores[path] == want
+            assert t.reward == pytest.approx(t.scores["correct"] + 0.5 * want)
+    assert any(t.scores[path] == 0.0 for g in groups for t in g.trajectories)
+
+
+def test_a_marked_function_passed_to_the_api_is_a_group_term(tmp_path):
+    from rollwise.api import _reward_terms
+
+    cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", *SMALL])
+    extra = _reward_terms(cfg, [shortest_in_group, brief], {})
+    groups = _scored_groups(cfg, rewards=extra)
+    t = groups[0].trajectories[0]
+    assert set(t.scores) == {"correct", "brief", "shortest_in_group"}
+    assert t.reward == pytest.approx(t.scores["correct"] + t.scores["brief"]
+                                     + t.scores["shortest_in_group"])
+    with pytest.raises(ConfigError, match="reward_options.brief: options apply to group"):
+        build(load_config(CONFIG, [f"run.output_dir='{tmp_path}'", *SMALL,
+                                   "task.reward_options={ brief = { x = 1 } }"]))
+
+
+ENGINES_MADE: list = []
+
+
+def recording_engine(model, *, eos_token_ids, pad_token_id, batch_size):
+    """A user's engine factory: rollwise's HF engine, remembered so the test can find it."""
+    from rollwise.engine import hf_engine
+
+    engine = hf_engine(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                       batch_size=batch_size)
+    ENGINES_MADE.append(engine)
+    return engine
+
+
+def test_an_engine_by_import_path_is_the_one_that_rolls_out(tmp_path):
+    cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", *SMALL,
+                               f"rollout.engine='{__name__}:recording_engine'"])
+    stages = build(cfg)
+    assert any(stages.engine is e for e in ENGINES_MADE)  # (the evaluator builds one too)
+    groups = stages.rollout(stages.select())
+    assert len(groups) == 4 and all(len(g.trajectories) == 8 for g in groups)
+    with pytest.raises(ConfigError, match=r"rollout.engine: unknown engine 'natve' \(did you"):
+        build(load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "rollout.engine='natve'"]))
+
+
+def test_a_run_started_from_the_api_resumes_from_the_api(tmp_path):
+    over = [f"run.output_dir='{tmp_path}'", *SMALL]
+    rollwise.train(CONFIG, rewards=[brief], echo=None, overrides=over)
+    rollwise.train(CONFIG, rewards=[brief], echo=None, resume=True,
+                   overrides=[*over, "run.num_steps=3"])
+    root = tmp_path / "tiny_arith"
+    records = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    store = TrajectoryStore(root / "trajectories.sqlite")
+    assert all("brief" in t.scores for t in store.load_step(3))

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from rollwise.algos import advantage_estimators, policy_losses
 from rollwise.algos.advantages import call_estimator
-from rollwise.config import Config, ConfigError, _flatten, load_config, validate_config
+from rollwise.config import Config, ConfigError, flatten, load_config, validate_config
 from rollwise.preflight import check_config
 from rollwise.rewards import VERIFIERS
 from rollwise.tasks import DatasetError, load_samples, make_task
@@ -44,7 +44,7 @@ def twins(strategies: dict, body):
 
 # -- the config loader -------------------------------------------------------------------
 
-KEYS = sorted(k for k in _flatten(Config().model_dump()))
+KEYS = sorted(k for k in flatten(Config().model_dump()))
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
 values = st.recursive(scalars, lambda inner: st.one_of(

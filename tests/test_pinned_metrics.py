@@ -6,6 +6,7 @@ measure time is compared. Float32 on one thread: the same seeds take the same ar
 path, so sums of the same products in the same order give the same bits; the tolerance
 (1e-9 relative) only absorbs a differently ordered Python float sum over a step's records.
 To re-record after an intended change: ROLLWISE_PIN_WRITE=1 pytest tests/test_pinned_metrics.py
+(the quickstart pin, on SmolLM2, is slow: `-m slow`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from rollwise.rundir import Run
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 FIXTURE = Path(__file__).parent / "data" / "pinned_metrics.json"
+QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.toml"
+QUICKSTART_FIXTURE = Path(__file__).parent / "data" / "pinned_quickstart.json"
 
 # Each variant walks a different path through the stages: the default native scheduler,
 # the HF engine's plain generation, partial rollouts with speculative reuse (pool carried
@@ -37,8 +40,8 @@ VARIANTS = {
 TIMING = ("time_", "wall_time", "_per_s", "seconds", "makespan", "tail_s", "eta")
 
 
-def _run(tmp_path: Path, extra: list[str]) -> list[dict]:
-    cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "run.num_steps=6",
+def _run(tmp_path: Path, extra: list[str], config: Path = CONFIG) -> list[dict]:
+    cfg = load_config(config, [f"run.output_dir='{tmp_path}'", "run.num_steps=6",
                                "run.threads=1", "rollout.prompts_per_step=6",
                                "task.num_eval=24", "eval.every=3", *extra])
     stages = build(cfg)
@@ -76,3 +79,29 @@ def test_metrics_match_the_pinned_run(tmp_path, variant):
         assert not diff, f"step {want.get('step')} ({want.get('kind')}): {diff}"
     train_steps = [r for r in expected if r["kind"] == "train"]
     assert len(train_steps) == 6 and any(r["loss"] != 0 for r in train_steps)
+
+
+@pytest.mark.slow
+def test_quickstart_first_steps_match_the_pinned_run(tmp_path):
+    """The quickstart's first two steps on SmolLM2, in float32. Float32 kernels differ
+    between CPU kinds (vector width changes summation order, and sampling amplifies the
+    last bit), so the pins are recorded per kind: (torch's CPU capability, torch version)."""
+    import torch
+
+    kind = f"{torch.backends.cpu.get_cpu_capability()} torch {torch.__version__}"
+    records = _run(tmp_path, ["run.num_steps=2", "rollout.prompts_per_step=4",
+                              "task.num_eval=16", "eval.every=0", "rollout.dtype='float32'",
+                              "learner.precision='float32'", "algorithm.correction='none'"],
+                   config=QUICKSTART)
+    pinned = json.loads(QUICKSTART_FIXTURE.read_text()) if QUICKSTART_FIXTURE.exists() else {}
+    if os.environ.get("ROLLWISE_PIN_WRITE"):
+        pinned[kind] = records
+        QUICKSTART_FIXTURE.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+        return
+    if kind not in pinned:
+        pytest.skip(f"no quickstart pin recorded for {kind} (recorded: {sorted(pinned)}); "
+                    "ROLLWISE_PIN_WRITE=1 records one")
+    for got, want in zip(records, pinned[kind], strict=True):
+        diff = {k: (got.get(k), want[k]) for k in want if not _same(got.get(k), want[k])}
+        assert not diff, f"step {want.get('step')} ({want.get('kind')}): {diff}"
+    assert [r["kind"] for r in records].count("train") == 2

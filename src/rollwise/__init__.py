@@ -15,6 +15,7 @@ _LAZY = {
     "load_policy": "rollwise.models", "Policy": "rollwise.models.policy",
     "Sample": "rollwise.types", "Trajectory": "rollwise.types", "Group": "rollwise.types",
     "Batch": "rollwise.types", "train": "rollwise.api",
+    "group_reward": "rollwise.rewards.group",
 }
 
 
@@ -26,5 +27,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'rollwise' has no attribute '{name}'")
 
 
-__all__ = ["Batch", "Group", "Policy", "Sample", "Trajectory", "__version__", "load_policy",
-           "train"]
+__all__ = ["Batch", "Group", "Policy", "Sample", "Trajectory", "__version__", "group_reward",
+           "load_policy", "train"]

@@ -8,10 +8,14 @@
     summary = rollwise.train("configs/tiny_arith.toml", rewards=[short],
                              overrides=["run.num_steps=20"])
 
+A function marked with `@rollwise.group_reward` is a group term instead:
+`fn(trajectories, **options) -> one score per trajectory`, seeing the whole group.
+
 The same functions can be named in a config by import path instead
 (`task.rewards = {"mypkg.rewards:short" = 1.0}`), which is what makes a run resumable from
-its directory alone: a callable passed here is not recorded in config.toml
-(docs/extending.md).
+its directory alone (`rollwise train --resume RUN_DIR`): a callable passed here is not
+recorded in config.toml, so a run started here is resumed here, with the same functions
+and `resume=True` (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from rollwise.config import Config, ConfigError, load_config, to_toml
 def train(config: Config | str | Path, *,
           rewards: Sequence[Callable] | Mapping[str, Callable] = (),
           weights: Mapping[str, float] | None = None, overrides: Sequence[str] = (),
-          echo: Callable[[str], None] | None = print) -> dict[str, Any]:
+          resume: bool = False, echo: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Train as `rollwise train` does and return the run's summary. `rewards`: extra
     verifiers `(completion: str, sample: Sample) -> float`, added to the config's
     task.rewards under their names (a function's `__name__` for a list) with weight 1 or
-    `weights[name]`. `overrides`: "a.b=c" strings, as `--set` takes. Raises ConfigError
-    naming the problem (a name taken, a function that cannot take (completion, sample))."""
+    `weights[name]`; functions marked `@rollwise.group_reward` are group terms. `overrides`:
+    "a.b=c" strings, as `--set` takes. `resume`: continue the run in run.output_dir/run.name
+    from its last checkpoint (pass the same functions). Raises ConfigError naming the
+    problem (a name taken, a function whose signature does not fit)."""
     from rollwise.build import build
     from rollwise.loop import train as train_loop
     from rollwise.rundir import Run
@@ -40,7 +46,7 @@ def train(config: Config | str | Path, *,
     extra = _reward_terms(cfg, rewards, dict(weights or {}))
     root = Path(cfg.run.output_dir) / cfg.run.name
     stages = build(cfg, rewards=extra)
-    run = Run(root, resume=False, config_toml=to_toml(cfg),
+    run = Run(root, resume=resume, config_toml=to_toml(cfg),
               echo=echo or (lambda s: None), keep_checkpoints=cfg.run.keep_checkpoints)
     run.summary.update({"model": cfg.model.name, "task": cfg.task.name, **stages.info,
                         "python_rewards": sorted(extra)})
@@ -51,7 +57,9 @@ def train(config: Config | str | Path, *,
 
 def _reward_terms(cfg: Config, rewards, weights: dict[str, float]
                   ) -> dict[str, tuple[Callable, float]]:
-    """name -> (function, weight), each checked against the verifier signature."""
+    """name -> (function, weight), each checked against the verifier signature (or the
+    group term's, for a function marked `group_reward`)."""
+    from rollwise.rewards.group import GROUP_REWARDS, is_group_term
     from rollwise.rewards.verifiers import VERIFIERS
 
     named = dict(rewards) if isinstance(rewards, Mapping) else {
@@ -61,7 +69,8 @@ def _reward_terms(cfg: Config, rewards, weights: dict[str, float]
         if name in cfg.task.rewards:
             raise ConfigError(f"rewards: {name!r} is already a term of task.rewards; "
                               "give the function another name")
-        problem = VERIFIERS.misfit(fn) if callable(fn) else f"{fn!r} is not callable"
+        registry = GROUP_REWARDS if is_group_term(fn) else VERIFIERS
+        problem = registry.misfit(fn) if callable(fn) else f"{fn!r} is not callable"
         if problem:
             raise ConfigError(f"rewards: {name!r}: {problem}")
         out[name] = (fn, float(weights.pop(name, 1.0)))

@@ -26,7 +26,7 @@ from rollwise.models import Policy, load_policy
 from rollwise.precision import ModelShapes, PrecisionChoice
 from rollwise.precision import resolve as resolve_precision
 from rollwise.rewards import RewardPool, RewardSpec, get_verifier
-from rollwise.rewards.group import GROUP_REWARDS, GroupTerm, get_group_reward
+from rollwise.rewards.group import GroupTerm, get_group_reward, is_group_term
 from rollwise.rollout import RolloutScheduler, RolloutStage
 from rollwise.runtime import configure as configure_runtime
 from rollwise.stages import Stages, encode_prompts
@@ -64,8 +64,9 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
                      chat=chat, path=t.path, **t.options)
     _check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
     specs = [RewardSpec(name, task.verifier if name == CORRECT else get_verifier(name), w)
-             for name, w in t.rewards.items() if name not in GROUP_REWARDS]
-    specs += [RewardSpec(name, fn, w) for name, (fn, w) in (rewards or {}).items()]
+             for name, w in t.rewards.items() if not is_group_term(name)]
+    specs += [RewardSpec(name, fn, w) for name, (fn, w) in (rewards or {}).items()
+              if not is_group_term(fn)]
     # Verifier worker processes are forked before the model exists: forked later, each would
     # keep a copy-on-write copy of every page training then writes (weights, KV cache).
     train_pool = RewardPool(specs, timeout_s=t.reward_timeout_s).start()
@@ -81,7 +82,7 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
     precision = _precision(cfg, policy)
     engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
                            precision.rollout, spec_tokens=r.spec_tokens)
-    group_terms = _group_terms(cfg)
+    group_terms = _group_terms(cfg, rewards or {})
     loss_options = {k: v for k, v in {"clip_low": a.clip_low, "clip_high": a.clip_high,
                                       "dual_clip": a.dual_clip}.items() if v is not None}
     loss_options |= {"aggregation": a.aggregation, "max_tokens": r.max_tokens}
@@ -151,15 +152,13 @@ def _check_enough_prompts(usable: int, skipped: int, per_step: int) -> None:
                           f"than one step (rollout.prompts_per_step = {per_step})")
 
 
-def _group_terms(cfg: Config) -> list[GroupTerm]:
-    """Group reward terms named in task.rewards, then DAPO's overlong shaping if on."""
+def _group_terms(cfg: Config, rewards: dict[str, tuple[Callable, float]]) -> list[GroupTerm]:
+    """Group reward terms named in task.rewards (registered or by import path) and the
+    caller's marked functions, then DAPO's overlong shaping if on."""
     t, a = cfg.task, cfg.algorithm
-    for name in t.reward_options:
-        if name not in GROUP_REWARDS:
-            raise ValueError(f"task.reward_options.{name}: options apply to group reward terms "
-                             f"({', '.join(sorted(GROUP_REWARDS))}); '{name}' is not one")
     terms = [GroupTerm(name, get_group_reward(name), w, dict(t.reward_options.get(name, {})))
-             for name, w in t.rewards.items() if name in GROUP_REWARDS]
+             for name, w in t.rewards.items() if is_group_term(name)]
+    terms += [GroupTerm(name, fn, w) for name, (fn, w) in rewards.items() if is_group_term(fn)]
     if a.overlong_buffer > 0:
         terms.append(GroupTerm("overlong", get_group_reward("overlong"), a.overlong_penalty,
                                {"max_tokens": cfg.rollout.max_tokens, "buffer": a.overlong_buffer}))

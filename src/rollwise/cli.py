@@ -80,9 +80,9 @@ FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.checkpoint_every",
 
 def config_changes(old: Config, new: Config) -> dict[str, tuple]:
     """{dotted key: (old, new)} of the values that differ."""
-    from rollwise.config import _flatten
+    from rollwise.config import flatten
 
-    a, b = _flatten(old.model_dump()), _flatten(new.model_dump())
+    a, b = flatten(old.model_dump()), flatten(new.model_dump())
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and not isinstance(a.get(k, b.get(k)), dict)}
 

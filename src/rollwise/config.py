@@ -107,9 +107,10 @@ class TaskConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["native", "hf"] = Field(
+    engine: str = Field(
         "native", description="Generation engine: 'native' (continuous batching, shared "
-        "prompts; falls back to 'hf' for other architectures) or 'hf' (HF generate).")
+        "prompts; falls back to 'hf' for other architectures), 'hf' (HF generate), or a "
+        "factory of your own as \"package.module:function\" (docs/extending.md).")
     kv_budget_tokens: int = Field(
         65536, ge=1, description="Native engine: tokens its KV cache may hold (requests "
         "beyond it wait or are preempted and recomputed).")
@@ -346,7 +347,7 @@ def _check_keys(raw: dict, model: type[BaseModel], path: tuple[str, ...], source
             _check_keys(value, sub, path + (key,), source)
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     """TOML value syntax for --set (numbers, booleans, lists, quoted strings); else a string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -364,13 +365,13 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _flatten(raw: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(raw: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in raw.items():
         key = f"{prefix}{k}"
         out[key] = v
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
     return out
 
 
@@ -386,13 +387,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
-        source = {k: str(path) for k in _flatten(raw)}
+        source = {k: str(path) for k in flatten(raw)}
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got '{item}'")
         key, text = item.split("=", 1)
         key = key.strip()
-        _set_dotted(raw, key, _parse_value(text.strip()))
+        _set_dotted(raw, key, parse_value(text.strip()))
         source[key] = f"--set {item}"
     return validate_config(raw, source)
 

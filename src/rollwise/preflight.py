@@ -43,18 +43,23 @@ def _check_algorithms(cfg: Config) -> None:
 
 
 def _check_rewards(cfg: Config) -> None:
-    from rollwise.rewards.group import GROUP_REWARDS
+    from rollwise.rewards.group import GROUP_REWARDS, is_group_term
     from rollwise.rewards.verifiers import VERIFIERS
     from rollwise.types import CORRECT
 
     t = cfg.task
     for name in t.rewards:  # the task's own verifier, a group term, or a verifier
-        if name != CORRECT and name not in GROUP_REWARDS:
+        if name == CORRECT:
+            continue
+        if is_group_term(name):
+            _known(f"task.rewards.{name}", name, GROUP_REWARDS)
+        else:
             _known(f"task.rewards.{name}", name, VERIFIERS)
     for name in t.reward_options:
-        if name not in GROUP_REWARDS:
+        if not is_group_term(name):
             raise ConfigError(f"task.reward_options.{name}: options apply to group reward "
-                              f"terms ({', '.join(sorted(GROUP_REWARDS))}); '{name}' is not one")
+                              f"terms ({', '.join(sorted(GROUP_REWARDS))}, or a function marked "
+                              f"with rollwise.group_reward); '{name}' is not one")
 
 
 def _check_allocator(cfg: Config) -> None:
@@ -84,7 +89,10 @@ GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "drpo", "pass_at_k")
 
 
 def _check_combinations(cfg: Config) -> None:
+    from rollwise.engine import ENGINES
+
     r = cfg.rollout
+    _known("rollout.engine", r.engine, ENGINES)
     if r.group_size == 1 and cfg.algorithm.advantage in GROUP_BASELINES:
         raise ConfigError(f"rollout.group_size = 1: advantage '{cfg.algorithm.advantage}' "
                           "compares the responses within a group, so every advantage would "
@@ -93,7 +101,7 @@ def _check_combinations(cfg: Config) -> None:
     needs = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
         "sync", "continuous"), "rollout.spec_group": r.spec_group,
         "rollout.spec_reuse": r.spec_reuse}.items() if on]
-    if r.engine == "hf" and needs:
+    if r.engine != "native" and needs:
         raise ConfigError(f"{', '.join(needs)} needs the native engine "
                           "(rollout.engine='native')")
 

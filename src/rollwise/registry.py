@@ -61,6 +61,23 @@ def accepts(fn: Callable, name: str) -> bool:
     return name in accepted_options(fn, {name: None})
 
 
+def import_object(path: str, kind: str) -> Callable:
+    """The callable at "package.module:attribute"; a ValueError naming what failed."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module's own code failing
+        raise ValueError(f"{kind} {path!r}: cannot import {module_name!r} "
+                         f"({type(e).__name__}: {e})") from e
+    thing = getattr(module, attr, None)
+    if thing is None:
+        raise ValueError(f"{kind} {path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(thing):  # one error type for every way a path fails: ValueError
+        raise ValueError(f"{kind} {path!r} is a {type(thing).__name__}, "  # noqa: TRY004
+                         "not a function or class")
+    return thing
+
+
 class Registry(Mapping[str, T], Generic[T]):
     """Names -> callables of one `kind`. `takes`: the positional arguments rollwise passes
     to each (checked for code loaded by import path); `keywords`: keyword arguments it
@@ -107,20 +124,7 @@ class Registry(Mapping[str, T], Generic[T]):
         return self._imported[name]
 
     def _load(self, path: str) -> T:
-        module_name, _, attr = path.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:  # ImportError, or the module's own code failing
-            raise ValueError(f"{self.kind} {path!r}: cannot import {module_name!r} "
-                             f"({type(e).__name__}: {e})") from e
-        thing = getattr(module, attr, None)
-        if thing is None:
-            raise ValueError(f"{self.kind} {path!r}: module {module_name!r} has no "
-                             f"attribute {attr!r}")
-        if not callable(thing):  # one error type for every way a path fails: ValueError
-            raise ValueError(  # noqa: TRY004
-f"{self.kind} {path!r} is a {type(thing).__name__}, not a "
-                             "function or class")
+        thing = import_object(path, self.kind)
         problem = self.misfit(thing)
         if problem:
             raise ValueError(f"{self.kind} {path!r}: {problem}")

@@ -169,7 +169,7 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
             "--no-baseline", help="Run only the best variant (e.g. against TRL alone).")] = False):
     """B3: step time split (rollout/reward/train/other) and time to a target accuracy."""
     from rollwise.bench import e2e as b3
-    from rollwise.config import _parse_value
+    from rollwise.config import parse_value
 
     if vs not in (None, "trl"):
         raise typer.BadParameter(f"--vs {vs!r}: only 'trl' is supported")
@@ -183,7 +183,7 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
         variants = dict(b3.PRECISIONS)
     elif no_baseline:
         variants.pop("baseline")
-    trl_options = {k.strip(): _parse_value(v.strip())
+    trl_options = {k.strip(): parse_value(v.strip())
                    for k, v in (item.split("=", 1) for item in trl_set or [])}
     paths = configs or [Path("configs/tiny_arith.toml"), Path("configs/quickstart.toml")]
     data = b3.run(paths, parts=parts, variants=variants, steps=steps, warmup=warmup,

@@ -1,36 +1,55 @@
 """Generation engines: token ids in, completions (ids, behaviour log-probs, finish reason,
 policy versions) out. `NativeEngine` is rollwise's own; `HFEngine` wraps Hugging Face
-`generate` as the baseline and the fallback for architectures the native engine lacks."""
+`generate` as the baseline and the fallback for architectures the native engine lacks.
+
+`ENGINES` names their constructors, `fn(model, *, eos_token_ids, pad_token_id, batch_size,
+**options) -> Engine`; `rollout.engine` may also name a user's own by import path
+("package.module:factory", docs/extending.md).
+"""
 
 from __future__ import annotations
 
 import warnings
 
-from rollwise.engine.base import Completion, Engine, SamplingParams
+from rollwise.engine.base import Completion, Engine, RequestEngine, SamplingParams
 from rollwise.engine.decoder import SUPPORTED_MODEL_TYPES, UnsupportedModel
 from rollwise.engine.native import NativeEngine
 from rollwise.engine.requests import EngineStats
+from rollwise.registry import Registry
 
-ENGINES = ("native", "hf")
+ENGINES: Registry = Registry("engine", takes=("model",),
+                             keywords=("eos_token_ids", "pad_token_id", "batch_size"))
 
 
-def make_engine(name: str, model, *, eos_token_ids: list[int], pad_token_id: int,
-                batch_size: int = 64, **native_options) -> Engine:
-    """The named engine over `model`; `native` falls back to `hf` (with a warning) for
-    architectures outside SUPPORTED_MODEL_TYPES."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine '{name}'; available: {', '.join(ENGINES)}")
-    if name == "native":
-        try:
-            return NativeEngine(model, eos_token_ids=eos_token_ids, max_num_seqs=batch_size,
-                                **native_options)
-        except UnsupportedModel as e:
-            warnings.warn(f"{e}; falling back to the 'hf' engine", stacklevel=2)
+@ENGINES.register("hf")
+def hf_engine(model, *, eos_token_ids: list[int], pad_token_id: int,
+              batch_size: int = 64) -> Engine:
     from rollwise.engine.hf import HFEngine
 
     return HFEngine(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
                     batch_size=batch_size)
 
 
+@ENGINES.register("native")
+def native_engine(model, *, eos_token_ids: list[int], pad_token_id: int, batch_size: int = 64,
+                  **options) -> Engine:
+    """The native engine; `hf` (with a warning) for architectures outside
+    SUPPORTED_MODEL_TYPES. `options`: NativeEngine's own (kv_budget_tokens, dtype, ...)."""
+    try:
+        return NativeEngine(model, eos_token_ids=eos_token_ids, max_num_seqs=batch_size,
+                            **options)
+    except UnsupportedModel as e:
+        warnings.warn(f"{e}; falling back to the 'hf' engine", stacklevel=2)
+    return hf_engine(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                     batch_size=batch_size)
+
+
+def make_engine(name: str, model, *, eos_token_ids: list[int], pad_token_id: int,
+                batch_size: int = 64, **options) -> Engine:
+    """The engine `name` (registered, or "package.module:factory") over `model`."""
+    return ENGINES.get(name)(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                             batch_size=batch_size, **options)
+
+
 __all__ = ["ENGINES", "SUPPORTED_MODEL_TYPES", "Completion", "Engine", "EngineStats",
-           "NativeEngine", "SamplingParams", "UnsupportedModel", "make_engine"]
+           "NativeEngine", "RequestEngine", "SamplingParams", "UnsupportedModel", "make_engine"]

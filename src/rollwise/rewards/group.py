@@ -17,13 +17,37 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from rollwise.registry import Registry
+from rollwise.registry import Registry, import_object, is_import_path
 from rollwise.rewards.verifiers import after_marker, last_number
 from rollwise.types import Group, Trajectory
 
 GroupReward = Callable[..., list[float]]
 GROUP_REWARDS: Registry[GroupReward] = Registry("group reward", takes=("trajectories",))
 _register = GROUP_REWARDS.register
+_MARK = "__rollwise_group_reward__"
+
+
+def group_reward(fn: GroupReward) -> GroupReward:
+    """Mark `fn(trajectories, **options) -> list[float]` as a group reward term. A function
+    named by import path in `task.rewards`, or passed to `rollwise.train(rewards=...)`, is
+    a per-completion verifier unless it carries this mark (docs/extending.md)."""
+    setattr(fn, _MARK, True)
+    return fn
+
+
+def is_group_term(term: str | Callable) -> bool:
+    """Whether a `task.rewards` name (or a function) is a group term rather than a verifier:
+    a registered group term, or a marked function (by import path or passed directly)."""
+    if callable(term):
+        return bool(getattr(term, _MARK, False))
+    if term in GROUP_REWARDS:
+        return True
+    if not is_import_path(term):
+        return False
+    try:
+        return is_group_term(import_object(term, GROUP_REWARDS.kind))
+    except ValueError:  # reported by the verifier registry, which then tries the path
+        return False
 
 
 def answer_of(text: str) -> str | None:

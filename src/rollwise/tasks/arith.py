@@ -31,7 +31,6 @@ from rollwise.rewards.verifiers import final_number
 from rollwise.tasks.base import DEFAULT_SETUP, Task, TaskSetup, draw_split
 from rollwise.types import Sample
 
-_STYLES = ("instruct", "plain")
 _OPS = "+-*"
 
 
@@ -79,16 +78,13 @@ def _number(rng: random.Random, digits: int) -> int:
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def _check_common(digits: int, ops: str, style: str | None, chat: bool) -> str:
+def _check_common(digits: int, ops: str, style: str | None, setup: TaskSetup) -> str:
     """Validate shared options; returns the resolved style."""
     if not isinstance(digits, int) or not 1 <= digits <= 12:
         raise ValueError(f"option digits={digits!r}: expected an integer from 1 to 12")
     if not isinstance(ops, str) or not ops or set(ops) - set(_OPS):
         raise ValueError(f"option ops={ops!r}: expected a non-empty string of {_OPS!r}")
-    style = style or ("instruct" if chat else "plain")
-    if style not in _STYLES:
-        raise ValueError(f"option style={style!r}: expected one of {', '.join(_STYLES)}")
-    return style
+    return setup.prompt_style(style)
 
 
 def _draw_arith(rng: random.Random, digits: int, terms: int, ops: str, style: str) -> Sample:
@@ -111,7 +107,7 @@ def build_arith(
     >>> [s.id for s in task.train], len(task.eval[0].prompt)
     (['arith/train/0', 'arith/train/1', 'arith/train/2'], 9)
     """
-    style = _check_common(digits, ops, style, setup.chat)
+    style = _check_common(digits, ops, style, setup)
     if not isinstance(terms, int) or not 2 <= terms <= 64:
         raise ValueError(f"option terms={terms!r}: expected an integer from 2 to 64")
     draw = partial(_draw_arith, digits=digits, terms=terms, ops=ops, style=style)
@@ -155,7 +151,7 @@ def build_arith_chain(
     >>> s.meta["terms"] == s.prompt.count("+") + 1, s.reference.endswith("#" + s.answer)
     (True, True)
     """
-    style = _check_common(digits, ops, style, setup.chat)
+    style = _check_common(digits, ops, style, setup)
     if not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
         raise ValueError(f"option p={p!r}: expected a probability in (0, 1]")
     if not isinstance(max_terms, int) or not 2 <= max_terms <= 256:
@@ -200,7 +196,7 @@ def build_arith_mix(
     [(1, 2), (3, 3)]
     """
     parsed = [_parse_level(level) for level in levels]
-    style = _check_common(max(d for d, _ in parsed), ops, style, setup.chat)
+    style = _check_common(max(d for d, _ in parsed), ops, style, setup)
     if not parsed:
         raise ValueError("option levels=(): give at least one level, e.g. ['1x2', '2x2']")
     draw = partial(_draw_mix, levels=parsed, ops=ops, style=style)

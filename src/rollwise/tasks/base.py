@@ -32,7 +32,20 @@ class TaskSetup:
     num_eval: int = 200
     chat: bool = False
 
+    def prompt_style(self, style: str | None) -> str:
+        """A generated task's prompt style: "instruct" (the answer format spelled out, for
+        instruction models) or "plain" (bare text to continue); None: instruct for chat.
 
+        >>> TaskSetup(chat=True).prompt_style(None), TaskSetup().prompt_style("instruct")
+        ('instruct', 'instruct')
+        """
+        style = style or ("instruct" if self.chat else "plain")
+        if style not in PROMPT_STYLES:
+            raise ValueError(f"option style={style!r}: expected one of {', '.join(PROMPT_STYLES)}")
+        return style
+
+
+PROMPT_STYLES = ("instruct", "plain")
 DEFAULT_SETUP = TaskSetup()
 
 

@@ -114,9 +114,7 @@ def build_countdown(
         raise ValueError(f"option max_value={max_value!r}: expected an integer >= 2")
     if not isinstance(max_target, int) or max_target < 1:
         raise ValueError(f"option max_target={max_target!r}: expected an integer >= 1")
-    style = style or ("instruct" if setup.chat else "plain")
-    if style not in ("instruct", "plain"):
-        raise ValueError(f"option style={style!r}: expected one of instruct, plain")
+    style = setup.prompt_style(style)
     draw = partial(_draw, min_numbers=min_numbers, max_numbers=max_numbers,
                    max_value=max_value, max_target=max_target, style=style)
     train, eval_ = draw_split(
