@@ -5,8 +5,8 @@
 
 Runs greedy and seeded sampled `generate` (4 prompts x n=4, 48 tokens, seed 7), then the
 same sampled requests through submit/step with divided rollout (`chunk_tokens`), a tight
-KV budget (preemption, park and restore), a drafter (exact verification) and reused
-drafts with SPEC-RL lenience. `check` exits 1 unless every token id and log-prob, every
+KV budget (preemption, park and restore), a drafter (exact verification), reused drafts
+with SPEC-RL lenience, a static batch, and aborts with resumes across a publication. `check` exits 1 unless every token id and log-prob, every
 finish reason and the deterministic counters equal the recorded ones bit for bit.
 """
 
@@ -57,6 +57,33 @@ def _stepped(model, prompts, params, eos, *, budget, chunk, drafter=None, reuse=
     return _out([done[i] for i in ids], engine)
 
 
+def _static_and_abort(model, prompts, params, eos) -> dict:
+    """A static batch (finished rows compute on until the batch ends), then aborts, a
+    priority change, a publication and resumes in a continuous batch."""
+    engine = NativeEngine(model, kv_budget_tokens=4096, max_num_seqs=6, eos_token_ids=eos)
+    one = replace(params, n=1)
+    ids = [engine.submit(p, one, seed=derive_seed(7, j), tag=j) for j, p in enumerate(prompts * 3)]
+    done = {}
+    while engine.has_unfinished():
+        for c in engine.step(static_batch=True):
+            done[c.request_id] = c
+    out = [done[i] for i in ids]
+    ids = [engine.submit(p, one, seed=derive_seed(8, j), tag=j) for j, p in enumerate(prompts * 2)]
+    for _ in range(5):
+        engine.step()
+    engine.set_priority(ids[-1], 2.0)
+    parts = {i: engine.abort(i) for i in ids[:3]}
+    engine.publish(1)
+    ids += [engine.submit(prompts[j], one, seed=derive_seed(8, j), tag=j, resume=parts[i])
+            for j, i in enumerate(ids[:3])]
+    done = {}
+    while engine.has_unfinished():
+        for c in engine.step():
+            done[c.request_id] = c
+    out += list(parts.values()) + [done[i] for i in ids[3:]]
+    return _out(out, engine)
+
+
 def run() -> dict:
     torch.manual_seed(0)
     policy = load_policy("smollm2-135m")
@@ -80,6 +107,7 @@ def run() -> dict:
     old = ref.generate(prompts, replace(sampled, temperature=0.9))
     result["reused"] = _stepped(policy.model, prompts, sampled, eos, budget=2 * width,
                                 chunk=16, reuse=old)
+    result["static_abort"] = _static_and_abort(policy.model, prompts, sampled, eos)
     result["params"] = {"greedy": asdict(greedy), "sampled": asdict(sampled)}
     return result
 
