@@ -57,4 +57,7 @@ def test_no_import_cycles():
         if m not in state:
             visit(m)
     assert "rollwise.engine.native" not in graph["rollwise.rollout.scheduler"]
+    # the engine composes its admission and verifier; they never reach back into it
+    for part in ("rollwise.engine.admission", "rollwise.engine.verifier"):
+        assert "rollwise.engine.native" not in graph[part], part
     assert "rollwise.build" not in graph["rollwise.loop"]

@@ -259,7 +259,7 @@ def test_context_scheduling_serves_one_probe_per_group_first(model) -> None:
 
     def watch(**options):
         out = step(**options)
-        for r in engine._rows:
+        for r in engine.admission.rows:
             if r.id not in started:
                 started.append(r.id)
         return out

@@ -2,6 +2,14 @@
 policy versions) out. `NativeEngine` is rollwise's own; `HFEngine` wraps Hugging Face
 `generate` as the baseline and the fallback for architectures the native engine lacks.
 
+`NativeEngine` is three objects. `native.py` holds the request-level API (`submit`, `step`,
+`abort`, ...) and the step loop: prompt prefill, single-token decode, draws, emitting tokens
+and deciding when a request has finished. It composes an `Admission` (`admission.py`: the
+request table, waiting queue, resident rows, prefix slots and KV budget, with every cache
+move they imply: admit, make room, park, restore, evict prefixes) and a `DraftVerifier`
+(`verifier.py`: asks the drafter, verifies drafts in one pass and emits through the loop's
+`emit`, handed to it as a callable). Neither imports `native.py`.
+
 `ENGINES` names their constructors, `fn(model, *, eos_token_ids, pad_token_id, batch_size,
 **options) -> Engine`; `rollout.engine` may also name a user's own by import path
 ("package.module:factory", docs/extending.md).

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollwise.engine.base import SamplingParams
+from rollwise.engine.base import Completion, SamplingParams
 
 
 @dataclass
@@ -68,6 +68,29 @@ class Request:
     lenience: float | None = None  # None: exact (lossless) acceptance
     parked: torch.Tensor | None = None  # [layers, 2, kv_heads, cached, head_dim] when parked
     zombie: bool = False  # static batching: finished, still occupying its row
+
+    @property
+    def inputs(self) -> int:
+        """Tokens the row feeds to the model this step: pending ones plus its draft."""
+        return len(self.tokens) - self.cached + len(self.draft)
+
+    def finish_reason(self, max_context: int) -> str | None:
+        """"stop" or "length" once the request is done, None while it runs on."""
+        if not self.tokens:
+            return None
+        if self.tokens[-1] in self.stops:
+            return "stop"
+        if len(self.tokens) >= self.params.max_tokens:
+            return "length"
+        if len(self.group.tokens) + len(self.tokens) >= max_context:
+            return "length"
+        return None
+
+    def completion(self, reason: str) -> Completion:
+        """The request as a Completion (copies of its tokens, log-probs and versions)."""
+        return Completion(prompt_index=self.tag, token_ids=list(self.tokens),
+                          logprobs=list(self.logprobs), finish_reason=reason,
+                          versions=list(self.versions), request_id=self.id)
 
 
 def walk_draft(sampled: list[int], logps_sampled: list[float], draft: list[int],

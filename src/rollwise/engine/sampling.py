@@ -79,6 +79,22 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
 
 
+def draw(logits: torch.Tensor, settings: list[tuple[float, int, float]], seeds: list[int],
+         positions: list[int]) -> dict[int, tuple[int, float]]:
+    """Row i's token of `logits` [B, V] and its log-prob, under row i's (temperature, top_k,
+    top_p) with the uniform of (seeds[i], positions[i]); rows alike are drawn together."""
+    by_settings: dict[tuple, list[int]] = {}
+    for i, s in enumerate(settings):
+        by_settings.setdefault(s, []).append(i)
+    out = {}
+    for (temp, top_k, top_p), idx in by_settings.items():
+        sub = logits if len(idx) == len(settings) else logits[idx]
+        u = uniforms([seeds[i] for i in idx], [positions[i] for i in idx])
+        tok, lp = sample_tokens(sub, temp, top_k, top_p, u)
+        out.update(zip(idx, zip(tok.tolist(), lp.tolist())))
+    return out
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
     """[B] indices i with cdf[i-1] <= u * total < cdf[i], through block sums (a full cumsum
     over a 50k vocabulary is sequential and slow). The chosen index always has mass > 0."""
