@@ -352,3 +352,50 @@ def test_calls_with_an_episode_id_are_recorded_token_for_token(live, client):
     assert calls[1]["messages"] == history
     r = httpx.get(live[1] + "/v1/episodes/ep-1", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404  # collected: gone
+
+
+# -- what `rollwise serve --model` loads ----------------------------------------------------
+
+def test_a_run_directory_serves_its_latest_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    from rollwise.build import build
+    from rollwise.config import to_toml
+    from rollwise.loop import train
+    from rollwise.rundir import Run
+    from rollwise.serve import load_served
+    from test_runsafety import small
+
+    cfg = small(tmp_path, "run.num_steps=2", "run.checkpoint_every=1", "eval.num_prompts=4")
+    root = tmp_path / "run"
+    train(build(cfg), Run(root, resume=False, config_toml=to_toml(cfg), echo=lambda s: None),
+          2, checkpoint_every=1)
+    served = load_served(str(root))
+    assert served.name == "run@step_2" and served.version == 2
+    saved = load_file(root / "checkpoints" / "step_2" / "model.safetensors")
+    params = dict(served.policy.model.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in saved.items())
+    first = load_served(str(root), step=1)
+    assert first.version == 1 and not all(
+        torch.equal(dict(first.policy.model.named_parameters())[n], t) for n, t in saved.items())
+
+
+def test_serve_command_refuses_what_it_cannot_load(tmp_path):
+    from typer.testing import CliRunner
+
+    from rollwise.cli import app
+
+    out = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "nothing")])
+    assert out.exit_code == 2 and "neither one of" in out.output
+
+
+def test_recorded_calls_become_trajectories(live, client):
+    from rollwise.serve import as_trajectory
+    from rollwise.types import Sample
+
+    r = client.completions.create(model="tiny", prompt="3+3=", max_tokens=5, seed=9,
+                                  extra_body={"episode_id": "ep-t"}, logprobs=0)
+    (call,) = _api(live, "DELETE", "/v1/episodes/ep-t")["calls"]
+    t = as_trajectory(call["choices"][0], Sample(id="s", prompt="3+3=", answer="6"))
+    assert t.prompt_ids == r.prompt_token_ids and t.response_ids == r.choices[0].token_ids
+    assert t.logprobs == pytest.approx(r.choices[0].logprobs.token_logprobs, abs=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rollwise.serve.app import EPISODE_HEADER, Limits, RolloutServer
 from rollwise.serve.model import Served, load_served
+from rollwise.serve.records import as_trajectory
 
 
 def make_server(model: str, *, step: int | None = None, dtype: str = "float32",
@@ -22,4 +23,5 @@ def make_server(model: str, *, step: int | None = None, dtype: str = "float32",
                          source=served.source)
 
 
-__all__ = ["EPISODE_HEADER", "Limits", "RolloutServer", "Served", "load_served", "make_server"]
+__all__ = ["EPISODE_HEADER", "Limits", "RolloutServer", "Served", "as_trajectory", "load_served",
+           "make_server"]

@@ -18,6 +18,7 @@ so a client can keep its trajectories token for token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -237,10 +238,12 @@ class RolloutServer:
             self.episodes.add(episode, record)
 
 
-def _seed(base: int | None, index: int) -> int | None:
+def _seed(base: int | None, index: int) -> int:
     """The seed of sequence `index` of a call seeded `base`: the same as the engine's own
-    `generate(prompts, SamplingParams(n=n, seed=base))` gives that sequence."""
-    return None if base is None else derive_seed(base, index)
+    `generate(prompts, SamplingParams(n=n, seed=base))` gives that sequence. Unseeded calls
+    draw from the OS, never from torch's global generator (a trainer in the same process
+    keeps its own random stream)."""
+    return secrets.randbits(62) if base is None else derive_seed(base, index)
 
 
 def _sse(data: dict | str) -> str:
@@ -334,9 +337,9 @@ def build_app(server: RolloutServer) -> FastAPI:
             return StreamingResponse(
                 _chat_stream(server, body, prompt, params, tools, call_id, episode, meta),
                 media_type="text/event-stream")
-        results = await asyncio.gather(*(
+        results = await _unless_gone(request, [
             run_choice(server.driver, server.tokenizer, prompt, params, _seed(body.seed, k),
-                       body.stop_list()) for k in range(body.n)))
+                       body.stop_list()) for k in range(body.n)])
         choices = []
         for k, r in enumerate(results):
             message, finish = _chat_message(r, tools)
@@ -366,9 +369,9 @@ def build_app(server: RolloutServer) -> FastAPI:
             return StreamingResponse(
                 _completion_stream(server, body, prompts, plist, jobs, call_id, episode),
                 media_type="text/event-stream")
-        results = await asyncio.gather(*(
+        results = await _unless_gone(request, [
             run_choice(server.driver, server.tokenizer, prompts[i], plist[i],
-                       _seed(body.seed, i * body.n + k), body.stop_list()) for i, k in jobs))
+                       _seed(body.seed, i * body.n + k), body.stop_list()) for i, k in jobs])
         choices = [_completion_choice(server, body, idx, r) for idx, r in enumerate(results)]
         server.record(episode, {"endpoint": "completions", "prompt": body.prompt}
                       | _record(prompts[0] if len(prompts) == 1 else prompts, results, choices))
@@ -382,6 +385,21 @@ def build_app(server: RolloutServer) -> FastAPI:
     _rollout_routes(app, server, auth)
     _episode_routes(app, server, auth)
     return app
+
+
+async def _unless_gone(request: Request, coros: list) -> list[ChoiceResult]:
+    """The choices' results; a client that hangs up meanwhile has its requests aborted
+    (an agent that timed out does not keep the engine busy)."""
+    work = asyncio.gather(*coros)
+    while True:
+        done, _ = await asyncio.wait([work], timeout=0.5)
+        if done:
+            return work.result()
+        if await request.is_disconnected():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            raise APIError(499, "client disconnected")
 
 
 def _prompts(server: RolloutServer, prompt) -> list[list[int]]:

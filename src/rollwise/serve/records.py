@@ -127,3 +127,26 @@ class EpisodeLog:
             if calls is not None:
                 self.calls -= len(calls)
             return calls
+
+
+def as_trajectory(record: dict, sample, prompt_ids: list[int] | None = None):
+    """A rollwise `Trajectory` (unscored) from one recorded sequence: a /v1/rollouts result,
+    or one choice of a recorded call (pass the call's `prompt_token_ids`). The ids, log-probs
+    and versions are the sampled ones, so the learner trains on exactly what was sampled.
+
+    >>> from rollwise.types import Sample
+    >>> t = as_trajectory({"prompt_token_ids": [1, 5], "token_ids": [7, 2], "logprobs":
+    ...     [-0.5, -0.1], "versions": [3, 3], "finish_reason": "stop", "text": "x"},
+    ...     Sample(id="s", prompt="1+", answer="1"))
+    >>> t.response_ids, t.versions, t.finish_reason
+    ([7, 2], [3, 3], 'stop')
+    """
+    from rollwise.types import Trajectory
+
+    finish = record["finish_reason"] if record["finish_reason"] in ("stop", "length") else "abort"
+    return Trajectory(sample=sample,
+                      prompt_ids=list(prompt_ids if prompt_ids is not None
+                                      else record["prompt_token_ids"]),
+                      response_ids=list(record["token_ids"]), logprobs=list(record["logprobs"]),
+                      versions=list(record["versions"]), finish_reason=finish,
+                      text=record.get("text", ""))
