@@ -399,3 +399,47 @@ def test_recorded_calls_become_trajectories(live, client):
     t = as_trajectory(call["choices"][0], Sample(id="s", prompt="3+3=", answer="6"))
     assert t.prompt_ids == r.prompt_token_ids and t.response_ids == r.choices[0].token_ids
     assert t.logprobs == pytest.approx(r.choices[0].logprobs.token_logprobs, abs=0)
+
+
+def test_an_openai_agent_rolls_out_through_the_server_for_training(tmp_path, teacher_logprobs):
+    """The trainer serves its own rollout engine; an agent samples with the openai client
+    under episode ids; the trainer collects the calls as trajectories, checks they are what
+    the policy sampled (teacher-forced log-probs), updates, publishes, and the next tokens
+    carry the new version."""
+    from rollwise.build import build
+    from rollwise.serve import as_trajectory
+    from rollwise.types import Group
+    from test_runsafety import small
+
+    stages = build(small(tmp_path, "rollout.dtype='float32'"))
+    server = RolloutServer(stages.policy, stages.engine, name="policy")
+    url = server.start()
+    try:
+        agent = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        samples = stages.task.train[:4]
+        for i, s in enumerate(samples):  # the agent: openai calls tagged with an episode id
+            agent.completions.create(model="policy", prompt=s.prompt, n=4, max_tokens=16,
+                                     temperature=1.0, seed=i, extra_body={"episode_id": s.id})
+        groups = []
+        for s in samples:  # the trainer: collect, check, score, update
+            (call,) = server.episodes.pop(s.id)
+            groups.append(Group(s, [as_trajectory(c, s) for c in call["choices"]]))
+        trajs = [t for g in groups for t in g.trajectories]
+        assert all(t.versions == [0] * len(t.response_ids) for t in trajs)
+        completions = [type("C", (), {"prompt_index": i, "token_ids": t.response_ids})
+                       for i, t in enumerate(trajs)]
+        replayed = teacher_logprobs(stages.model, [t.prompt_ids for t in trajs], completions)
+        for t, lp in zip(trajs, replayed):
+            assert torch.allclose(lp, torch.tensor(t.logprobs, dtype=torch.float64), atol=1e-4)
+        stages.score(groups)
+        assert not all(g.zero_variance for g in groups)  # something to learn from
+        before = [p.detach().clone() for p in stages.model.parameters()]
+        stages.update(stages.advantages(groups))
+        assert any(not torch.equal(a, p) for a, p in zip(before, stages.model.parameters()))
+        server.publish(1)
+        r = agent.completions.create(model="policy", prompt=samples[0].prompt, max_tokens=4,
+                                     extra_body={"episode_id": "after"})
+        (call,) = server.episodes.pop("after")
+        assert call["choices"][0]["versions"] == [1] * len(r.choices[0].token_ids)
+    finally:
+        server.stop()
