@@ -159,8 +159,12 @@ class RolloutServer:
         self.driver.stop()
 
     def publish(self, version: int) -> None:
-        """New weights are in place: later tokens carry `version` (waits for the driver)."""
-        self.driver.call(lambda e: e.publish(version)).result()
+        """New weights are in place: later tokens carry `version` (applied by the driver
+        thread between steps when it runs; directly otherwise)."""
+        if self.driver.running:
+            self.driver.call(lambda e: e.publish(version)).result()
+        else:
+            self.engine.publish(version)
 
     # -- request helpers -------------------------------------------------------------------
 
@@ -566,6 +570,9 @@ def _rollout_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
         server.check_model(body.model)
         if (why := body.unsupported()) is not None:
             raise APIError(400, why)
+        if body.stream:
+            raise APIError(400, "/v1/rollouts does not stream; poll GET /v1/rollouts/{id}",
+                           param="stream")
         if len(body.episodes) > server.limits.max_prompts:
             raise APIError(400, f"{len(body.episodes)} episodes is over this server's limit "
                            f"of {server.limits.max_prompts}", param="episodes")

@@ -87,6 +87,10 @@ class EngineDriver:
                                             daemon=True)
             self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         if self._thread is not None:
             self._stop.set()
