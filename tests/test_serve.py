@@ -219,6 +219,9 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(live, 
     assert code == 400 and "n=9" in msg
     code, msg = post(ok | {"prompt": "1" * 30_000})
     assert code == 413 and "20000 bytes" in msg
+    chunked = httpx.post(url + "/v1/completions", headers=auth,
+                         content=(b"x" * 1000 for _ in range(30)))  # no content-length
+    assert chunked.status_code == 413
     code, msg = post(ok | {"model": "gpt-4"})
     assert code == 404 and "tiny" in msg
     code, msg = post({"model": "tiny", "messages": [{"role": "user", "content": "x"}],

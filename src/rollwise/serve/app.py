@@ -35,6 +35,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollwise.engine.base import RequestEngine, SamplingParams
 from rollwise.engine.sampling import derive_seed
@@ -82,20 +83,19 @@ class BodyLimit:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        # read the whole body first (it is at most `limit` bytes), then replay it to the app
+        chunks, seen = [], 0
+        while True:
             message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message)
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._refuse(send)
+                return await self._refuse(send)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, receive), send)
 
     async def _refuse(self, send):
         body = json.dumps(_error_body(f"request body over {self.limit} bytes",
@@ -106,8 +106,10 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+def _replay(messages: list[dict], receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed
 
 
 class RolloutServer:
@@ -282,6 +284,12 @@ def build_app(server: RolloutServer) -> FastAPI:
                 problems.append(f"{loc or 'body'}: {err.get('msg')}")
         return JSONResponse(_error_body("invalid request: " + "; ".join(problems),
                                         "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        # unknown paths (404), wrong methods (405), an unreadable body (400)
+        return JSONResponse(_error_body(str(e.detail), "invalid_request_error"),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, e: BadRequest):
