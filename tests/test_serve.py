@@ -446,3 +446,31 @@ def test_an_openai_agent_rolls_out_through_the_server_for_training(tmp_path, tea
         assert call["choices"][0]["versions"] == [1] * len(r.choices[0].token_ids)
     finally:
         server.stop()
+
+
+def test_fuzzed_bodies_never_get_a_5xx(live):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(
+        max_size=8)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+    fields = st.sampled_from(["model", "prompt", "messages", "n", "temperature", "top_p",
+                              "max_tokens", "stop", "seed", "logprobs", "tools", "stream",
+                              "episodes", "ignore_eos", "top_k"])
+    base = {"model": "tiny", "prompt": "1+", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "1"}]}
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/rollouts"]),
+           changes=st.dictionaries(fields, values, max_size=3))
+    def one(path, changes):
+        r = httpx.post(live[1] + path, headers=auth, timeout=30,
+                       content=json.dumps(base | changes, allow_nan=True))
+        assert r.status_code < 500, r.text
+
+    one()
+    r = httpx.post(live[1] + "/v1/completions", headers=auth, json=base)
+    assert r.status_code == 200

@@ -249,7 +249,7 @@ def _seed(base: int | None, index: int) -> int:
     `generate(prompts, SamplingParams(n=n, seed=base))` gives that sequence. Unseeded calls
     draw from the OS, never from torch's global generator (a trainer in the same process
     keeps its own random stream)."""
-    return secrets.randbits(62) if base is None else derive_seed(base, index)
+    return secrets.randbits(62) if base is None else derive_seed(base % 2**64, index)
 
 
 def _sse(data: dict | str) -> str:
