@@ -474,3 +474,27 @@ def test_fuzzed_bodies_never_get_a_5xx(live):
     one()
     r = httpx.post(live[1] + "/v1/completions", headers=auth, json=base)
     assert r.status_code == 200
+
+
+def test_text_arrives_token_by_token_as_one_decode_gives_it():
+    """Streaming decodes only the new ids (with the previous step's as context); on a
+    byte-level BPE vocabulary (SmolLM2's) with multi-byte characters split across tokens, the
+    text so assembled equals decoding every id at once."""
+    from transformers import AutoTokenizer
+
+    from rollwise.models.smollm2 import converted_dir
+
+    tok = AutoTokenizer.from_pretrained(converted_dir())
+    text = "Café crème, naïve façade — 東京 🙂 and  spaced   words\n\tend."
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, len(tok), (200,), generator=gen).tolist()
+    for seq in (ids, noise, ids + noise):
+        t = TextTracker(tok, [])
+        shown = ""
+        for i in seq:
+            t.add([i], [0.0], [0])
+            shown += t.take()[0]
+        t.add([], [], [], final=True)
+        shown += t.take(final=True)[0]
+        assert shown == t.text == t.decode(seq)

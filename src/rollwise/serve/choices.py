@@ -64,10 +64,10 @@ class ChoiceState:
             self.error, self.error_status = event.message, event.status
             return False
         c = event.completion
-        if not t.stopped and len(c.token_ids) > self.seen:
+        if not t.stopped:
             s = self.seen
             self.seen = len(c.token_ids)
-            t.add(c.token_ids[s:], c.logprobs[s:], c.versions[s:])
+            t.add(c.token_ids[s:], c.logprobs[s:], c.versions[s:], final=True)
         reason = "stop" if t.stopped else c.finish_reason
         self.result = ChoiceResult(self.prompt_ids, list(t.ids), list(t.logprobs),
                                    list(t.versions), reason, t.text)

@@ -184,20 +184,36 @@ class TextTracker:
     given: int = 0  # ids handed out with them
     stopped: bool = False  # a stop string matched
     text: str = ""  # the text so far (cut at the stop string once one matched)
+    _context: int = 0  # ids decoded again only as context for the next ones
+    _read: int = 0  # ids whose text is in `text`
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
 
-    def add(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def _extend(self, final: bool = False) -> None:
+        """Append the text of the ids past `_read`, decoded after the previous step's ids
+        (tokenizers that drop a leading space or join bytes across tokens then give what
+        decoding everything gives) without decoding the whole reply again per token. An
+        unfinished UTF-8 character waits for its next bytes, unless `final`."""
+        before = self.decode(self.ids[self._context:self._read])
+        after = self.decode(self.ids[self._context:])
+        if final or (len(after) > len(before) and not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self._context, self._read = self._read, len(self.ids)
+
+    def add(self, ids: list[int], logprobs: list[float], versions: list[int],
+            final: bool = False) -> None:
+        """Take newly sampled ids; `final`: they are the last (flush held bytes)."""
         if self.stopped:
             return
-        start = len(self.ids)
+        start, seen = len(self.ids), len(self.text)
         self.ids += ids
         self.logprobs += logprobs
         self.versions += versions
-        self.text = self.decode(self.ids)
-        hit = self._first_stop(self.text)
+        self._extend(final)
+        longest = max((len(s) for s in self.stop), default=0)
+        hit = self._first_stop(self.text, max(0, seen - longest + 1))
         if hit is None:
             return
         pos, s = hit
@@ -209,8 +225,8 @@ class TextTracker:
         del self.ids[k:], self.logprobs[k:], self.versions[k:]
         self.text, self.stopped = self.text[:pos], True
 
-    def _first_stop(self, text: str) -> tuple[int, str] | None:
-        found = [(text.find(s), s) for s in self.stop if s and s in text]
+    def _first_stop(self, text: str, start: int = 0) -> tuple[int, str] | None:
+        found = [(i, s) for s in self.stop if s and (i := text.find(s, start)) >= 0]
         return min(found) if found else None
 
     def take(self, final: bool = False) -> tuple[str, list[int], list[float]]:
