@@ -284,6 +284,50 @@ def export_model(run_dir: Annotated[Path, typer.Argument(help="A run directory."
                   f"AutoModelForCausalLM.from_pretrained('{out_dir}'))", highlight=False)
 
 
+@app.command("serve")
+def serve(model: Annotated[str, typer.Option(
+              help="'tiny', 'smollm2-135m', a Hugging Face folder, or a run directory (its "
+              "latest checkpoint).")],
+          host: Annotated[str, typer.Option(help="Interface to bind (localhost by default).")
+                          ] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+          api_key: Annotated[str | None, typer.Option(
+              envvar="ROLLWISE_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (or set $ROLLWISE_API_KEY).")] = None,
+          step: Annotated[int | None, typer.Option(
+              help="Run directory: the checkpoint's step (default: the latest).")] = None,
+          dtype: Annotated[str, typer.Option(help="Engine precision: float32 or bfloat16.")
+                           ] = "float32",
+          max_tokens: Annotated[int, typer.Option(help="Most max_tokens one choice may ask.")
+                                ] = 4096,
+          max_body_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 1 << 20,
+          max_n: Annotated[int, typer.Option(help="Most choices per prompt (n).")] = 16,
+          max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded at once.")] = 64,
+          kv_budget_tokens: Annotated[int, typer.Option(help="KV cache size in tokens.")
+                                      ] = 65536,
+          threads: Annotated[int, typer.Option(help="Torch CPU threads (0: all cores).")] = 0):
+    """Serve a model over an OpenAI-compatible HTTP API (docs/serve.md)."""
+    import uvicorn
+
+    from rollwise.runtime import configure
+    from rollwise.serve import Limits, make_server
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        console.print(f"[bold yellow]warning:[/] serving on {host} without --api-key: anyone "
+                      "who can reach this port can use the model", highlight=False)
+    configure(threads)
+    limits = Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens, max_n=max_n)
+    try:
+        server = make_server(model, step=step, dtype=dtype, api_key=api_key, limits=limits,
+                             max_num_seqs=max_num_seqs, kv_budget_tokens=kv_budget_tokens)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    console.print(f"serving '{server.name}' (policy version {server.engine.version}) on "
+                  f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
+                  highlight=False)
+    uvicorn.run(server.app, host=host, port=port, log_level="warning")
+
+
 def main() -> None:
     """The console entry point: an operating-system failure anywhere (disk full, permission,
     a file in the way) is one line with what to do, not a traceback."""

@@ -247,3 +247,33 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")
+
+
+@bench_app.command("serve")
+def serve(model: ModelOpt = "tiny", json: JsonOpt = None,
+          prompts: Annotated[int, typer.Option(help="Prompts per side and repetition.")] = 32,
+          clients: Annotated[list[int] | None, typer.Option(
+              help="Concurrent openai clients (repeatable; default 8 and 32).")] = None,
+          max_tokens: Annotated[int, typer.Option(help="Tokens per request.")] = 64,
+          reps: Annotated[int, typer.Option(help="Alternating repetitions.")] = 3,
+          natural: Annotated[bool, typer.Option(
+              "--natural", help="Let EOS end requests (default: exactly max_tokens each).")
+              ] = False,
+          threads: ThreadsOpt = 0):
+    """The OpenAI-compatible server vs the engine's own generate: requests/s, tokens/s."""
+    from rollwise.bench import serve as bs
+    from rollwise.runtime import configure
+
+    configure(threads)
+    data = bs.run(model, prompts=prompts, clients=tuple(clients or (8, 32)),
+                  max_tokens=max_tokens, reps=reps, ignore_eos=not natural, progress=_say)
+    print_table(f"serve: {model}, {prompts} prompts x {max_tokens} tokens, "
+                f"{data['threads']} threads (median of {reps})", data["results"],
+                ["side", "clients", "requests_per_s", "tokens_per_s", "wall_s", "tokens",
+                 "forward_passes", "rows_per_pass", "errors"])
+    for r in data["ratios"]:
+        typer.echo(f"{r['clients']} clients: server / engine tokens/s = "
+                   f"{r['server_over_engine_tokens_per_s']:.2f}x (median of {len(r['per_rep'])})")
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")

@@ -1,0 +1,27 @@
+"""`rollwise serve`: an OpenAI-compatible HTTP server over the native engine, and the
+rollout service (/v1/rollouts, recorded episodes) that training uses. See docs/serve.md."""
+
+from __future__ import annotations
+
+from rollwise.serve.app import EPISODE_HEADER, Limits, RolloutServer
+from rollwise.serve.model import Served, load_served
+from rollwise.serve.records import as_trajectory
+
+
+def make_server(model: str, *, step: int | None = None, dtype: str = "float32",
+                api_key: str | None = None, limits: Limits | None = None,
+                max_num_seqs: int = 64, kv_budget_tokens: int = 65536) -> RolloutServer:
+    """Load `model` (a name, a Hugging Face folder or a run directory) and put a native
+    engine and the HTTP app over it."""
+    from rollwise.engine import NativeEngine
+
+    served = load_served(model, step=step)
+    policy = served.policy
+    engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids, max_num_seqs=max_num_seqs,
+                          kv_budget_tokens=kv_budget_tokens, dtype=dtype, version=served.version)
+    return RolloutServer(policy, engine, name=served.name, api_key=api_key, limits=limits,
+                         source=served.source)
+
+
+__all__ = ["EPISODE_HEADER", "Limits", "RolloutServer", "Served", "as_trajectory", "load_served",
+           "make_server"]

@@ -1,0 +1,131 @@
+"""One sampled sequence ("choice") from submission to result, on top of the driver: stop
+strings end it early (the driver aborts it), text comes out as it may be shown."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from rollwise.engine.base import SamplingParams
+from rollwise.serve.driver import Done, EngineDriver, Event, Failed, Handle, Tokens
+from rollwise.serve.text import TextTracker
+
+
+class EngineFailure(RuntimeError):
+    """The engine refused (status 400) or failed (500) a request; the message says why."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ChoiceResult:
+    """A finished sequence: exactly the sampled tokens (the stop token included when one was
+    sampled; cut after the token that completed a stop string), their behaviour log-probs
+    and policy versions, and the text shown for them."""
+
+    prompt_ids: list[int]  # [P]
+    token_ids: list[int]  # [T]
+    logprobs: list[float]  # [T]
+    versions: list[int]  # [T]
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str
+    extra: dict = field(default_factory=dict)
+
+    def record(self) -> dict:
+        return {"prompt_token_ids": self.prompt_ids, "token_ids": self.token_ids,
+                "logprobs": self.logprobs, "versions": self.versions,
+                "finish_reason": self.finish_reason, "text": self.text, **self.extra}
+
+
+class ChoiceState:
+    """Folds a request's events into text and a result (no threading of its own)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.prompt_ids = prompt_ids
+        self.tracker = TextTracker(tokenizer, stop)
+        self.seen = 0  # engine tokens fed to the tracker
+        self.result: ChoiceResult | None = None
+        self.error: str | None = None
+        self.error_status = 500
+
+    def feed(self, event: Event) -> bool:
+        """Take one event; True when a stop string has just matched (abort the request)."""
+        t = self.tracker
+        if isinstance(event, Tokens):
+            if t.stopped:
+                return False
+            self.seen += len(event.ids)
+            t.add(event.ids, event.logprobs, event.versions)
+            return t.stopped
+        if isinstance(event, Failed):
+            self.error, self.error_status = event.message, event.status
+            return False
+        c = event.completion
+        if not t.stopped:
+            s = self.seen
+            self.seen = len(c.token_ids)
+            t.add(c.token_ids[s:], c.logprobs[s:], c.versions[s:], final=True)
+        reason = "stop" if t.stopped else c.finish_reason
+        self.result = ChoiceResult(self.prompt_ids, list(t.ids), list(t.logprobs),
+                                   list(t.versions), reason, t.text)
+        return False
+
+
+def start_sync(driver: EngineDriver, tokenizer, prompt_ids: list[int], params: SamplingParams,
+               seed: int | None, stop: list[str],
+               on_result: Callable[[ChoiceState], None]) -> Handle:
+    """Submit a choice whose events are folded on the driver thread; `on_result` is called
+    there once it has a result or an error (rollout jobs use this)."""
+    state = ChoiceState(tokenizer, prompt_ids, stop)
+    handle: list[Handle] = []
+
+    def sink(event: Event) -> None:
+        if state.feed(event):
+            driver.abort(handle[0])
+        if isinstance(event, (Done, Failed)):
+            on_result(state)
+
+    handle.append(driver.submit(prompt_ids, params, seed, sink, watch=bool(stop)))
+    return handle[0]
+
+
+Delta = tuple[str, list[int], list[float]]  # text, the token ids behind it, their log-probs
+
+
+async def run_choice(driver: EngineDriver, tokenizer, prompt_ids: list[int],
+                     params: SamplingParams, seed: int | None, stop: list[str],
+                     on_delta: Callable[[Delta], Awaitable[None]] | None = None,
+                     ) -> ChoiceResult:
+    """Generate one choice; `on_delta` (streaming) gets the text as it may be shown. A
+    cancelled caller (client gone) aborts the request."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(event: Event) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    state = ChoiceState(tokenizer, prompt_ids, stop)
+    h = driver.submit(prompt_ids, params, seed, sink, watch=bool(stop) or on_delta is not None)
+    try:
+        while True:
+            event = await events.get()
+            if state.feed(event):
+                driver.abort(h)
+            if state.error is not None:
+                raise EngineFailure(state.error, state.error_status)
+            if state.result is not None:
+                if on_delta is not None:
+                    delta = state.tracker.take(final=True)
+                    if delta[0] or delta[1]:
+                        await on_delta(delta)
+                return state.result
+            if on_delta is not None:
+                delta = state.tracker.take()
+                if delta[0]:
+                    await on_delta(delta)
+    finally:
+        if not h.finished:
+            driver.abort(h)
