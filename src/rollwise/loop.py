@@ -11,8 +11,12 @@
 
 from __future__ import annotations
 
-from rollwise.rundir import Run, defer_interrupt
+from dataclasses import dataclass, field
+
+from rollwise.rewards import RewardStats
+from rollwise.rundir import Run, StepTimer, defer_interrupt
 from rollwise.stages import Stages
+from rollwise.types import Group
 
 
 def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
@@ -57,24 +61,64 @@ def evaluate(stages: Stages, run: Run, step: int, before: bool = False,
         run.snapshot(stages)
 
 
-def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
-    """One training step (`step` counts from 0); its metrics record. Benchmarks drive it."""
-    timer = run.timer()
+@dataclass
+class Collected:
+    """One step's rollouts, scored and allocated: what `learn` trains on."""
+
+    groups: list[Group]  # every group of the step, merged per prompt
+    kept: list[Group]  # those the allocator trains on
+    reward_stats: RewardStats
+    control: dict[str, float]  # the allocator's and the rollout scheduler's figures
+    requested: int  # trajectories the allocator asked for (every round)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    state: dict | None = None  # the stages' state before this step's rollouts (async)
+    stale_dropped: int = 0  # trajectories of `groups` over the staleness bound (async)
+
+    def flow(self) -> dict[str, int]:
+        """Where the requested trajectories went: requested = trained + filtered (by the
+        allocator) + stale-dropped (by the asynchronous driver's staleness bound)."""
+        every = sum(len(g.trajectories) for g in self.groups)
+        trained = sum(len(g.trajectories) for g in self.kept)
+        return {"traj_requested": self.requested, "traj_trained": trained,
+                "traj_filtered": every - trained - self.stale_dropped,
+                "traj_stale_dropped": self.stale_dropped}
+
+
+def collect(stages: Stages, timer: StepTimer) -> Collected:
+    """Select, roll out, score and allocate one step's groups (the allocator may ask for
+    more rounds; DAPO's dynamic sampling is the 'dynamic' allocator)."""
+    requests = stages.select()
+    requested = sum(r.n for r in requests)
     with timer("rollout"):
-        groups = stages.rollout(stages.select())
+        groups = stages.rollout(requests)
     with timer("reward"):
         reward_stats = stages.score(groups)
     while requests := stages.observe(groups):  # the allocator may ask for more
+        requested += sum(r.n for r in requests)
         with timer("rollout"):
             groups = stages.rollout(requests)
         with timer("reward"):
             reward_stats = reward_stats + stages.score(groups)
     groups, kept = stages.allocation()  # all groups of the step; those to train on
+    return Collected(groups, kept, reward_stats, stages.control_metrics(), requested)
+
+
+def learn(stages: Stages, run: Run, step: int, num_steps: int, batch: Collected,
+          timer: StepTimer, extra: dict | None = None) -> dict:
+    """Advantages, update and publication of one step's groups; its metrics record.
+    `extra`: figures a driver adds to the record (the asynchronous driver's)."""
     with defer_interrupt():  # Ctrl-C waits until the update is recorded
         with timer("train"):
-            update = stages.update(stages.advantages(kept)) if kept else {}
+            update = stages.update(stages.advantages(batch.kept)) if batch.kept else {}
         published = stages.publish(step + 1)  # its own figures (publish_seconds)
-        record = run.record_step(step + 1, num_steps, groups, kept, reward_stats,
-                                 update | published, timer, control=stages.control_metrics())
-        run.snapshot(stages)
+        record = run.record_step(step + 1, num_steps, batch.groups, batch.kept,
+                                 batch.reward_stats, update | published, timer,
+                                 control=batch.control | batch.flow() | (extra or {}))
+        run.snapshot(stages, batch.state)
         return record
+
+
+def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
+    """One training step (`step` counts from 0); its metrics record. Benchmarks drive it."""
+    timer = run.timer()
+    return learn(stages, run, step, num_steps, collect(stages, timer), timer)

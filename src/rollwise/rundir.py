@@ -123,9 +123,12 @@ class Run:
         self.config_changes: dict[str, list] = {}  # --resume --allow-changes: recorded
 
     # -- snapshots and checkpoints ---------------------------------------------------------
-    def snapshot(self, stages) -> None:
-        """Remember the state after the last completed step (see the module docstring)."""
-        _, stage_state = stages.state_dict()  # references: the learner part is not copied
+    def snapshot(self, stages, stage_state: dict | None = None) -> None:
+        """Remember the state after the last completed step (see the module docstring).
+        `stage_state`: the stages' state as of that step when they have moved on since
+        (the asynchronous driver's rollouts of later steps)."""
+        if stage_state is None:
+            stage_state = stages.stage_state()
         self._snap_id += 1
         self._snap = {"step": self.step, "rng": rng_state(), "id": self._snap_id,
                       "stages": json.loads(json.dumps(stage_state)),
