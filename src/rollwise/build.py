@@ -244,3 +244,44 @@ def _build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: 
     return make_engine(name, policy.model, eos_token_ids=policy.stop_ids,
                        pad_token_id=policy.tokenizer.pad_token_id, batch_size=batch_size,
                        **options)
+
+
+def check_run_config(cfg: Config) -> None:
+    """run.backend / run.mode combinations that cannot work, before anything loads."""
+    from rollwise.config import ConfigError
+
+    rc = cfg.run
+    if rc.mode == "async" and rc.backend == "local" and rc.max_staleness > 0:
+        raise ConfigError(
+            f"run.mode='async' with run.max_staleness={rc.max_staleness} needs "
+            "run.backend='ray': in one process the engine reads the learner's weights, which "
+            "an update changes in place while the next rollouts run (max_staleness=0 runs "
+            "locally, and is synchronous training)")
+    if rc.backend == "local" and cfg.rollout.num_workers > 1:
+        raise ConfigError(f"rollout.num_workers={cfg.rollout.num_workers} needs "
+                          "run.backend='ray' (the local backend has one engine)")
+
+
+def build_run(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None) -> Stages:
+    """The stages a run drives: `build` for run.backend 'local'; with 'ray' the same stages
+    with rollout, reward and learner placed on Ray actors (rollwise.distributed)."""
+    check_run_config(cfg)
+    if cfg.run.backend == "ray":
+        from rollwise.distributed import build_distributed
+
+        return build_distributed(cfg, rewards)
+    return build(cfg, rewards)
+
+
+def run_steps(cfg: Config):
+    """How the driver runs a step for this config: `loop.SyncSteps`, or the asynchronous
+    driver with its staleness bound (`loop.train(..., steps=run_steps(cfg))`)."""
+    from functools import partial
+
+    from rollwise.asyncloop import AsyncSteps
+    from rollwise.loop import SyncSteps
+
+    if cfg.run.mode == "sync":
+        return SyncSteps
+    return partial(AsyncSteps, max_staleness=cfg.run.max_staleness,
+                   stale_policy=cfg.run.stale_policy)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollwise.rewards import RewardStats
@@ -19,12 +20,28 @@ from rollwise.stages import Stages
 from rollwise.types import Group
 
 
+class SyncSteps:
+    """The synchronous step: roll out, then train (`train_step`). The asynchronous driver
+    (`asyncloop.AsyncSteps`) has the same shape: built for a run from its first step,
+    `step(k)` trains step k, `close()` stops whatever runs ahead."""
+
+    def __init__(self, stages: Stages, run: Run, start: int, num_steps: int):
+        self.stages, self.run, self.num_steps = stages, run, num_steps
+
+    def step(self, step: int) -> dict:
+        return train_step(self.stages, self.run, step, self.num_steps)
+
+    def close(self) -> None:
+        pass
+
+
 def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
           eval_before: bool = True, checkpoint_every: int = 0,
-          checkpoint_seconds: float = 0.0) -> dict:
+          checkpoint_seconds: float = 0.0, steps: Callable[..., SyncSteps] = SyncSteps) -> dict:
     """Train to `num_steps`, resuming where `run` stopped. Checkpoints every
     `checkpoint_every` steps or `checkpoint_seconds`, whichever comes first, and always
-    after the final evaluation; each is of the last completed step (see rundir.py)."""
+    after the final evaluation; each is of the last completed step (see rundir.py).
+    `steps`: how a step runs (`SyncSteps`, or the asynchronous driver's)."""
     try:
         start = run.resume(stages)  # 0 for a new run, else the step of the last checkpoint
         with run.progress(start, num_steps):
@@ -32,13 +49,18 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
                 evaluate(stages, run, 0, before=True)
             elif eval_every and start % eval_every == 0 and 0 < start < num_steps:
                 evaluate(stages, run, start)  # interrupted during this evaluation
-            for step in range(start, num_steps):
-                train_step(stages, run, step, num_steps)
-                run.raise_if_unhealthy(stages)
-                if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
-                    evaluate(stages, run, step + 1)
-                if step + 1 < num_steps:  # the last one comes after the final evaluation
-                    run.maybe_checkpoint(step + 1, stages, checkpoint_every, checkpoint_seconds)
+            stepper = steps(stages, run, start, num_steps)
+            try:
+                for step in range(start, num_steps):
+                    stepper.step(step)
+                    run.raise_if_unhealthy(stages)
+                    if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
+                        evaluate(stages, run, step + 1)
+                    if step + 1 < num_steps:  # the last one comes after the final evaluation
+                        run.maybe_checkpoint(step + 1, stages, checkpoint_every,
+                                             checkpoint_seconds)
+            finally:
+                stepper.close()
             evaluate(stages, run, num_steps, after=True)
             run.checkpoint(num_steps, stages)
     except KeyboardInterrupt:
