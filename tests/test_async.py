@@ -20,7 +20,7 @@ from rollwise.types import Group, Sample
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 # wall-clock figures and the asynchronous driver's own fields differ by construction
 TIMING = ("time_", "wall_time", "seconds", "_per_s", "_busy_frac", "makespan", "tail_s",
-          "publish", "eta")
+          "publish", "eta", "dissemination", "weights_load")
 
 
 def small(tmp_path: Path, *extra: str):
@@ -118,3 +118,16 @@ def test_bad_run_combinations_are_refused(tmp_path):
         small(tmp_path, "run.mode='later'")
     with pytest.raises(ValueError, match="stale_policy"):
         AsyncSteps(None, None, 0, 0, stale_policy="keep")
+
+
+def test_scaling_model_arithmetic():
+    from rollwise.bench.overlap import scaling_table
+
+    rows = scaling_table(8.0, 2.0, 1e9, workers=(1, 2, 4), bandwidth_bytes_s=1e10,
+                         trajectories=32)
+    one, two, four = rows
+    assert one["sync_step_s"] == pytest.approx(8.0 + 0.1 + 2.0)
+    assert one["async_step_s"] == pytest.approx(8.1)  # rollout-bound: the learner waits
+    assert four["rollout_s"] == 2.0 and four["async_step_s"] == pytest.approx(2.4)
+    assert two["async_learner_util"] == pytest.approx(2.0 / 4.2)
+    assert four["async_traj_per_s"] == pytest.approx(32 / 2.4)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.ray
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 TIMING = ("time_", "wall_time", "seconds", "_per_s", "_busy_frac", "makespan", "tail_s",
-          "publish", "eta")
+          "publish", "eta", "dissemination", "weights_load")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -25,10 +25,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import Counter
 
 from rollwise.control import Request
-from rollwise.loop import Collected, collect, learn
+from rollwise.loop import Collected, collect, learn, staleness_histogram
 from rollwise.rundir import Run, StepTimer
 from rollwise.stages import Stages
 from rollwise.types import EncodedPrompt, Group
@@ -40,13 +39,6 @@ def staleness(group: Group, version: int) -> int:
     """Versions between the group's oldest token and `version` (0 when it has no tokens)."""
     oldest = [min(t.versions) for t in group.trajectories if t.versions]
     return version - min(oldest) if oldest else 0
-
-
-def staleness_histogram(groups: list[Group], version: int) -> dict[str, int]:
-    """Trajectories by how many versions their oldest token lags `version`: 0, 1, 2, 3+."""
-    ages = Counter(min(version - min(t.versions), 3) if t.versions else 0
-                   for g in groups for t in g.trajectories)
-    return {f"staleness_hist_{k if k < 3 else '3plus'}": ages.get(k, 0) for k in range(4)}
 
 
 def bound_staleness(stages: Stages, batch: Collected, version: int, max_staleness: int,
@@ -135,10 +127,11 @@ class AsyncSteps:
         timer.phases["wait"] = time.perf_counter() - waited
         for name, seconds in batch.phases.items():  # overlapped with earlier steps
             timer.phases[name] = timer.phases.get(name, 0.0) + seconds
-        extra = staleness_histogram(batch.kept, step)
+        before = staleness_histogram(batch.kept, step)  # what was rolled out, bound aside
         removed = bound_staleness(self.stages, batch, step, self.max_staleness,
                                   self.stale_policy)
-        extra |= {"queue_depth": depth, "stale_groups": removed}
+        extra = {f"rolled_{k}": v for k, v in before.items()} | {
+            "queue_depth": depth, "stale_groups": removed}
         batch.state = dict(batch.state or {}, version=step + 1)
         record = learn(self.stages, self.run, step, self.num_steps, batch, timer, extra)
         with self._cv:

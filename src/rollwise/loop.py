@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -106,6 +107,13 @@ class Collected:
                 "traj_stale_dropped": self.stale_dropped}
 
 
+def staleness_histogram(groups: list[Group], version: int) -> dict[str, int]:
+    """Trajectories by how many versions their oldest token lags `version`: 0, 1, 2, 3+."""
+    ages = Counter(min(version - min(t.versions), 3) if t.versions else 0
+                   for g in groups for t in g.trajectories)
+    return {f"staleness_hist_{k if k < 3 else '3plus'}": ages.get(k, 0) for k in range(4)}
+
+
 def collect(stages: Stages, timer: StepTimer) -> Collected:
     """Select, roll out, score and allocate one step's groups (the allocator may ask for
     more rounds; DAPO's dynamic sampling is the 'dynamic' allocator)."""
@@ -135,7 +143,8 @@ def learn(stages: Stages, run: Run, step: int, num_steps: int, batch: Collected,
         published = stages.publish(step + 1)  # its own figures (publish_seconds)
         record = run.record_step(step + 1, num_steps, batch.groups, batch.kept,
                                  batch.reward_stats, update | published, timer,
-                                 control=batch.control | batch.flow() | (extra or {}))
+                                 control=batch.control | batch.flow()
+                                 | staleness_histogram(batch.kept, step) | (extra or {}))
         run.snapshot(stages, batch.state)
         return record
 

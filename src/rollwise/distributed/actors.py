@@ -81,6 +81,12 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def is_busy(self) -> bool:
         return self.busy
 
@@ -117,6 +123,12 @@ class RewardWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def score(self, trajectories: list[Trajectory]):
         stats = self.pool.score(trajectories)
         return [(t.reward, t.scores, t.reward_errors, t.timings.get("reward", 0.0))
@@ -135,6 +147,12 @@ class LearnerWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def update(self, batch):
         start = time.perf_counter()
