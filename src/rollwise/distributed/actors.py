@@ -32,10 +32,15 @@ def _config(data: dict):
 
 def to_plain(state: dict[str, torch.Tensor]) -> dict:
     """Tensors as numpy arrays where numpy has the dtype (read zero-copy from the object
-    store), else as tensors (bfloat16)."""
-    out = {}
+    store), else as tensors (bfloat16). A tensor that shares its memory with an earlier
+    one (tied embeddings) is sent once: loading the first updates both."""
+    out, seen = {}, set()
     for k, v in state.items():
         v = v.detach().cpu()
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key in seen:
+            continue
+        seen.add(key)
         out[k] = v.numpy() if v.dtype in (torch.float32, torch.float16, torch.float64,
                                           torch.int64, torch.int32) else v.clone()
     return out
