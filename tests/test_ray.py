@@ -83,6 +83,7 @@ def test_ray_matches_local_and_async_zero_too(tmp_path):
     assert all(r["weights_bytes"] > 0 for r in records(tmp_path / "ray", "train"))
 
 
+@pytest.mark.slow
 def test_async_one_step_ahead_stays_within_the_bound(tmp_path):
     cfg = small(tmp_path, "run.backend='ray'", "run.mode='async'", "run.max_staleness=1",
                 "rollout.num_workers=2", "rollout.worker_cpus=0.5", "run.num_steps=4",
@@ -136,6 +137,7 @@ def test_killed_rollout_worker_is_restarted_and_its_requests_rerun(tmp_path):
         store.close()
 
 
+@pytest.mark.slow
 def test_dead_learner_ends_the_run_and_resume_continues(tmp_path):
     cfg = small(tmp_path, "run.backend='ray'", "run.num_steps=4", "eval.every=0",
                 "run.checkpoint_every=2")

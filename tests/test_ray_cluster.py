@@ -19,7 +19,7 @@ from rollwise.distributed.cluster import worker_env
 from rollwise.loop import train
 from rollwise.rundir import Run
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 

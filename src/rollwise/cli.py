@@ -76,6 +76,9 @@ def os_error_message(e: OSError, root: Path | None = None) -> str:
 FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.checkpoint_every",
                   "run.checkpoint_minutes", "run.keep_checkpoints", "run.loggers", "run.device",
                   "eval.", "health.")
+# where the stages run, not what they compute (group numbering makes the samples the same)
+FREE_TO_CHANGE += ("run.backend", "run.ray_address", "rollout.num_workers",
+                   "rollout.worker_cpus")
 
 
 def config_changes(old: Config, new: Config) -> dict[str, tuple]:

@@ -68,6 +68,8 @@ class RayStages(Stages):
         return self.policy.model
 
     def rollout(self, requests: list[Request]) -> list[Group]:
+        if not requests:
+            return []
         prompts, sizes = [r.prompt for r in requests], [r.n for r in requests]
         k = max(1, min(len(self.workers), len(prompts)))
         bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
