@@ -168,6 +168,14 @@ def test_unreachable_address_fails_fast_and_missing_ray_names_the_install(monkey
     with pytest.raises(ConfigError, match="no Ray cluster answers at 127.0.0.1:9"):
         probe("127.0.0.1:9", timeout_s=2)
     assert time.monotonic() - start < 5
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached"))
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:9")  # the variable is read too
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="run.ray_address = 'ray://127.0.0.1:9'"):
+        connect(None)
+    assert time.monotonic() - start < 5
+    monkeypatch.delenv("RAY_ADDRESS")
     import builtins
 
     real = builtins.__import__
@@ -178,6 +186,5 @@ def test_unreachable_address_fails_fast_and_missing_ray_names_the_install(monkey
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_ray)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(ConfigError, match=r"pip install 'rollwise\[ray\]'"):
         connect(None)

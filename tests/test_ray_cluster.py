@@ -28,7 +28,7 @@ CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 def two_nodes():
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "temp_dir": "/tmp/rwray2"})
+        "num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, logging_level="ERROR", runtime_env=worker_env())
     yield cluster

@@ -49,6 +49,8 @@ class RayStages(Stages):
     learner_actor: Any = None
     numbered: bool = True  # the driver numbers groups (not with partial rollouts' pools)
     owns_ray: bool = False  # this process started the Ray connection (shuts it down)
+    policy_ref: Any = None  # the policy in the object store: a restarted actor is rebuilt
+    # from it, so the driver holds the reference for the run's life
 
     def __post_init__(self):
         self._lock = threading.Lock()
@@ -209,7 +211,7 @@ def build_distributed(cfg, rewards=None, *, address: str | None = None) -> RaySt
     base = {f.name: getattr(local, f.name) for f in fields(Stages)}
     base["info"] = dict(local.info, backend="ray", rollout_workers=r.num_workers)
     return RayStages(**base, ray=ray, workers=workers, reward=reward, learner_actor=learner,
-                     numbered="partial" not in r.strategy, owns_ray=started)
+                     numbered="partial" not in r.strategy, owns_ray=started, policy_ref=policy)
 
 
 def _actor(name: str):
