@@ -32,6 +32,8 @@ TIMING = ("time_", "wall_time", "seconds", "_per_s", "_busy_frac", "makespan", "
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    # a shared machine's memory use is not the tests': Ray's own OOM killer stays off
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env=worker_env(), _temp_dir="/tmp/rwray")
     yield

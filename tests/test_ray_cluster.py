@@ -27,6 +27,8 @@ CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 @pytest.fixture(scope="module")
 def two_nodes():
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    # a shared machine's memory use is not the tests': Ray's own OOM killer stays off
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
