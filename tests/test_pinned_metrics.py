@@ -34,8 +34,7 @@ VARIANTS = {
     "partial_reuse": ["rollout.strategy='partial'", "rollout.spec_reuse=true"],
     "dynamic": ["control.allocator='dynamic'"],
 }
-TIMING = ("time_", "wall_time", "_per_s", "seconds", "makespan", "tail_s", "eta", "_busy_frac",
-          "dissemination", "weights_load")
+TIMING = ("time_", "wall_time", "_per_s", "seconds", "makespan", "tail_s", "eta")
 
 
 def _run(tmp_path: Path, extra: list[str]) -> list[dict]:

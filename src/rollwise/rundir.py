@@ -58,11 +58,11 @@ def capacity(record: dict, phases: dict[str, float], seconds: float,
     wall = max(seconds, 1e-9)
     rollout, train = phases.get("rollout", 0.0), phases.get("train", 0.0)
     return {
-        "learner_busy_frac": train / wall, "rollout_busy_frac": rollout / wall,
+        "learner_busy_time_frac": train / wall, "rollout_busy_time_frac": rollout / wall,
         "rollout_supply_per_s": record["step_rollouts"] / max(rollout, 1e-9) if rollout else 0.0,
         "rollout_demand_per_s": trained / max(train, 1e-9) if train else 0.0,
-        "weights_dissemination_s": record.get("publish_seconds", 0.0)
-        + record.get("weights_load_s", 0.0),
+        "weights_dissemination_seconds": record.get("publish_seconds", 0.0)
+        + record.get("weights_load_seconds", 0.0),
         "queue_depth": record.get("queue_depth", 0),
     }
 

@@ -81,7 +81,7 @@ def run_variant(path: Path, name: str, overrides: tuple[str, ...], out: Path, st
         "rollout_s": med("time_rollout") + med("time_reward"),
         "train_s": med("time_train") + med("publish_seconds"),
         "wait_s": med("time_wait"),
-        "rollout_busy": med("rollout_busy_frac"), "learner_busy": med("learner_busy_frac"),
+        "rollout_busy": med("rollout_busy_time_frac"), "learner_busy": med("learner_busy_time_frac"),
         "stale_frac": statistics.fmean(stale) if stale else 0.0,
         "staleness_max": max((r.get("staleness_max", 0) for r in kept), default=0),
         "stale_dropped": sum(r["traj_stale_dropped"] for r in trains),

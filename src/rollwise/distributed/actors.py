@@ -106,7 +106,7 @@ class RolloutWorker:
             groups = self.stage.run(prompts, [int(n) for n in sizes])
             stats = self.stage.score(groups)
             return groups, stats, self.stage.take_figures(), {
-                "weights_load_s": loaded, "pid": os.getpid()}
+                "weights_load_seconds": loaded, "pid": os.getpid()}
         finally:
             self.busy = False
 

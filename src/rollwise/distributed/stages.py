@@ -87,7 +87,7 @@ class RayStages(Stages):
                 if out:
                     self._pending[id(out[0])] = stats
                 self._figures += figures
-                self._load_s = max(self._load_s, info["weights_load_s"])
+                self._load_s = max(self._load_s, info["weights_load_seconds"])
                 if info["pid"] != self._pids[i]:  # restarted: Ray re-ran the call
                     self.restarts += 1
                     self._pids[i] = info["pid"]
@@ -109,7 +109,7 @@ class RayStages(Stages):
             load, self._load_s = self._load_s, 0.0
         figures = sum(rounds, RolloutFigures()).metrics() if rounds else {}
         return dict(self.control.last) | figures | {
-            "weights_load_s": load, "rollout_worker_restarts": self.restarts}
+            "weights_load_seconds": load, "rollout_worker_restarts": self.restarts}
 
     def update(self, batch: Batch) -> dict[str, float]:
         try:
@@ -117,7 +117,7 @@ class RayStages(Stages):
         except self.ray.exceptions.RayActorError as e:
             raise LearnerDied(f"the learner actor died ({type(e).__name__}); the run's last "
                               "checkpoint is intact: continue it with --resume") from None
-        return out | {"learner_update_s": busy}
+        return out | {"learner_update_seconds": busy}
 
     def publish(self, version: int) -> dict[str, float]:
         start = time.perf_counter()

@@ -124,7 +124,7 @@ def format_step_line(record: dict[str, Any]) -> str:
     tps = number(record, "rollout_tokens_per_s")
     if tps is not None:
         parts.append(f"{tps:.0f} tok/s")
-    busy = number(record, "learner_busy_frac")
+    busy = number(record, "learner_busy_time_frac")
     if busy is not None:
         parts.append(f"learner busy {busy:.0%}")
     if number(record, "time_wait") is not None:  # the asynchronous driver

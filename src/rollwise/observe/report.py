@@ -215,7 +215,7 @@ def _offpolicy_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 def _capacity_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
     """ECHO-2's capacity view: busy fractions, supply against demand, staleness."""
-    keys = {"learner busy frac": "learner_busy_frac", "rollout busy frac": "rollout_busy_frac",
+    keys = {"learner busy frac": "learner_busy_time_frac", "rollout busy frac": "rollout_busy_time_frac",
             "supply / demand": None, "stale (>=1 version) frac": None}
     series = {}
     for label, key in keys.items():
