@@ -104,6 +104,8 @@ def run(configs: list[Path], *, variants: dict[str, tuple[str, ...]] | None = No
 
     variants = variants or VARIANTS
     num_cpus = num_cpus or len(os.sched_getaffinity(0))
+    # on a shared machine Ray's OOM killer reacts to other programs' memory too
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray, started = connect(None, num_cpus=num_cpus)
     out = Path(tempfile.mkdtemp(prefix="rollwise-bench-async-"))
     results = []
