@@ -131,3 +131,12 @@ def test_scaling_model_arithmetic():
     assert four["rollout_s"] == 2.0 and four["async_step_s"] == pytest.approx(2.4)
     assert two["async_learner_util"] == pytest.approx(2.0 / 4.2)
     assert four["async_traj_per_s"] == pytest.approx(32 / 2.4)
+
+
+def test_bench_async_rejects_an_unknown_variant():
+    from typer.testing import CliRunner
+
+    from rollwise.cli import app
+
+    out = CliRunner().invoke(app, ["bench", "async", str(CONFIG), "--variant", "ray-async-9"])
+    assert out.exit_code != 0 and "unknown variant 'ray-async-9'" in out.output
