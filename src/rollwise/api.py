@@ -38,21 +38,26 @@ def train(config: Config | str | Path, *,
     "a.b=c" strings, as `--set` takes. `resume`: continue the run in run.output_dir/run.name
     from its last checkpoint (pass the same functions). Raises ConfigError naming the
     problem (a name taken, a function whose signature does not fit)."""
-    from rollwise.build import build
+    from rollwise.build import build_run, run_steps
     from rollwise.loop import train as train_loop
     from rollwise.rundir import Run
 
     cfg = config if isinstance(config, Config) else load_config(config, list(overrides))
     extra = _reward_terms(cfg, rewards, dict(weights or {}))
     root = Path(cfg.run.output_dir) / cfg.run.name
-    stages = build(cfg, rewards=extra)
+    stages = build_run(cfg, rewards=extra)
     run = Run(root, resume=resume, config_toml=to_toml(cfg),
               echo=echo or (lambda s: None), keep_checkpoints=cfg.run.keep_checkpoints)
     run.summary.update({"model": cfg.model.name, "task": cfg.task.name, **stages.info,
                         "python_rewards": sorted(extra)})
-    return train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
-                      eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
-                      checkpoint_seconds=cfg.run.checkpoint_minutes * 60)
+    try:
+        return train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
+                          eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
+                          checkpoint_seconds=cfg.run.checkpoint_minutes * 60,
+                          steps=run_steps(cfg))
+    finally:
+        if hasattr(stages, "shutdown"):  # the Ray backend's actors
+            stages.shutdown()
 
 
 def _reward_terms(cfg: Config, rewards, weights: dict[str, float]

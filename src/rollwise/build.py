@@ -50,9 +50,11 @@ def build_policy(cfg: Config, task: Task) -> Policy:
     return policy
 
 
-def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None) -> Stages:
+def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None, *,
+          policy: Policy | None = None) -> Stages:
     """`rewards`: the caller's own verifiers (name -> (function, weight)) besides the
-    config's terms; the Python API (`rollwise.train`) passes them."""
+    config's terms; the Python API (`rollwise.train`) passes them. `policy`: an already
+    built policy to use instead of building one (a Ray actor receives the driver's)."""
     from rollwise.preflight import check_config
 
     check_config(cfg)  # names and devices, before the model loads
@@ -63,42 +65,24 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
     task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
                      chat=chat, path=t.path, **t.options)
     _check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
-    specs = [RewardSpec(name, task.verifier if name == CORRECT else get_verifier(name), w)
-             for name, w in t.rewards.items() if not is_group_term(name)]
-    specs += [RewardSpec(name, fn, w) for name, (fn, w) in (rewards or {}).items()
-              if not is_group_term(fn)]
+    specs = reward_specs(cfg, task, rewards)
     # Verifier worker processes are forked before the model exists: forked later, each would
     # keep a copy-on-write copy of every page training then writes (weights, KV cache).
     train_pool = RewardPool(specs, timeout_s=t.reward_timeout_s).start()
     eval_pool = RewardPool([RewardSpec("correct", task.verifier)],
                            timeout_s=t.reward_timeout_s).start()
-    policy = build_policy(cfg, task)
-    r, e, a, lc = cfg.rollout, cfg.eval, cfg.algorithm, cfg.learner
+    policy = policy if policy is not None else build_policy(cfg, task)
+    r, e, a = cfg.rollout, cfg.eval, cfg.algorithm
     train_prompts, skipped = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
     _check_enough_prompts(len(train_prompts), skipped, r.prompts_per_step)
     eval_max = e.max_tokens or r.max_tokens
     eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
     precision = _precision(cfg, policy)
-    engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
-                           precision.rollout, spec_tokens=r.spec_tokens)
+    rollout_stage = build_rollout_stage(cfg, policy, precision, train_pool.score)
+    engine = rollout_stage.engine
     group_terms = _group_terms(cfg, rewards or {})
-    loss_options = {k: v for k, v in {"clip_low": a.clip_low, "clip_high": a.clip_high,
-                                      "dual_clip": a.dual_clip}.items() if v is not None}
-    loss_options |= {"aggregation": a.aggregation, "max_tokens": r.max_tokens}
-    learner = Learner(
-        policy.model, loss_fn=lookup(policy_losses, a.loss, "policy loss"),
-        loss_options=loss_options, lr=lc.lr, weight_decay=lc.weight_decay, betas=lc.betas,
-        grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps, lr_schedule=lc.lr_schedule,
-        total_steps=cfg.run.num_steps * lc.ppo_epochs,
-        micro_batch_tokens=lc.micro_batch_tokens, logprob_chunk=lc.logprob_chunk,
-        precision=precision.learner, temperature=r.temperature or 1.0,
-        kl_fn=lookup(kl_estimators, a.kl_estimator, "KL estimator"), kl_coef=a.kl_coef,
-        ppo_epochs=lc.ppo_epochs, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
-        correction_fn=None if precision.correction == "none" else lookup(
-            corrections, precision.correction, "correction"),
-        correction_options={"cap": a.correction_cap, "low": a.correction_low},
-        skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts)
+    learner = build_learner(cfg, policy, precision)
     evaluator = Evaluator(
         engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens,
                              precision.rollout, weights_from=engine),
@@ -107,12 +91,8 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
         temperature=r.temperature or 1.0, chunk=e.batch_size)
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
-    sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, max_tokens=r.max_tokens)
     control = _build_control(cfg, sampler)
-    rollout_stage = RolloutStage(
-        engine, sampling, policy.decode, train_pool.score,
-        scheduler=_build_scheduler(cfg, engine, sampling, policy.decode), fetch=control.extra)
+    rollout_stage.fetch = control.extra
     return Stages(
         policy=policy, task=task, sampler=sampler, control=control,
         rollout_stage=rollout_stage,
@@ -126,6 +106,50 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
               "trainable_parameters": sum(p.numel() for p in learner.params),
               "precision": precision.record(), "precision_line": precision.line()},
     )
+
+
+def reward_specs(cfg: Config, task: Task,
+                 rewards: dict[str, tuple[Callable, float]] | None = None) -> list[RewardSpec]:
+    """The verifiers of task.rewards (group terms apart), then the caller's own."""
+    specs = [RewardSpec(name, task.verifier if name == CORRECT else get_verifier(name), w)
+             for name, w in cfg.task.rewards.items() if not is_group_term(name)]
+    return specs + [RewardSpec(name, fn, w) for name, (fn, w) in (rewards or {}).items()
+                    if not is_group_term(fn)]
+
+
+def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
+                        scorer: Callable, fetch: Callable | None = None) -> RolloutStage:
+    """The rollout engine, its scheduler and the stage around them (the local driver's,
+    or a Ray rollout worker's); `scorer` scores trajectories in place."""
+    r = cfg.rollout
+    engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
+                           precision.rollout, spec_tokens=r.spec_tokens)
+    sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, max_tokens=r.max_tokens)
+    return RolloutStage(engine, sampling, policy.decode, scorer,
+                        scheduler=_build_scheduler(cfg, engine, sampling, policy.decode),
+                        fetch=fetch)
+
+
+def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Learner:
+    """The learner over `policy.model` (the local driver's, or a Ray learner actor's)."""
+    r, a, lc = cfg.rollout, cfg.algorithm, cfg.learner
+    loss_options = {k: v for k, v in {"clip_low": a.clip_low, "clip_high": a.clip_high,
+                                      "dual_clip": a.dual_clip}.items() if v is not None}
+    loss_options |= {"aggregation": a.aggregation, "max_tokens": r.max_tokens}
+    return Learner(
+        policy.model, loss_fn=lookup(policy_losses, a.loss, "policy loss"),
+        loss_options=loss_options, lr=lc.lr, weight_decay=lc.weight_decay, betas=lc.betas,
+        grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps, lr_schedule=lc.lr_schedule,
+        total_steps=cfg.run.num_steps * lc.ppo_epochs,
+        micro_batch_tokens=lc.micro_batch_tokens, logprob_chunk=lc.logprob_chunk,
+        precision=precision.learner, temperature=r.temperature or 1.0,
+        kl_fn=lookup(kl_estimators, a.kl_estimator, "KL estimator"), kl_coef=a.kl_coef,
+        ppo_epochs=lc.ppo_epochs, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
+        correction_fn=None if precision.correction == "none" else lookup(
+            corrections, precision.correction, "correction"),
+        correction_options={"cap": a.correction_cap, "low": a.correction_low},
+        skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts)
 
 
 def _precision(cfg: Config, policy: Policy) -> PrecisionChoice:
@@ -219,3 +243,44 @@ def _build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: 
     return make_engine(name, policy.model, eos_token_ids=policy.stop_ids,
                        pad_token_id=policy.tokenizer.pad_token_id, batch_size=batch_size,
                        **options)
+
+
+def check_run_config(cfg: Config) -> None:
+    """run.backend / run.mode combinations that cannot work, before anything loads."""
+    from rollwise.config import ConfigError
+
+    rc = cfg.run
+    if rc.mode == "async" and rc.backend == "local" and rc.max_staleness > 0:
+        raise ConfigError(
+            f"run.mode='async' with run.max_staleness={rc.max_staleness} needs "
+            "run.backend='ray': in one process the engine reads the learner's weights, which "
+            "an update changes in place while the next rollouts run (max_staleness=0 runs "
+            "locally, and is synchronous training)")
+    if rc.backend == "local" and cfg.rollout.num_workers > 1:
+        raise ConfigError(f"rollout.num_workers={cfg.rollout.num_workers} needs "
+                          "run.backend='ray' (the local backend has one engine)")
+
+
+def build_run(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None) -> Stages:
+    """The stages a run drives: `build` for run.backend 'local'; with 'ray' the same stages
+    with rollout, reward and learner placed on Ray actors (rollwise.distributed)."""
+    check_run_config(cfg)
+    if cfg.run.backend == "ray":
+        from rollwise.distributed import build_distributed
+
+        return build_distributed(cfg, rewards)
+    return build(cfg, rewards)
+
+
+def run_steps(cfg: Config):
+    """How the driver runs a step for this config: `loop.SyncSteps`, or the asynchronous
+    driver with its staleness bound (`loop.train(..., steps=run_steps(cfg))`)."""
+    from functools import partial
+
+    from rollwise.asyncloop import AsyncSteps
+    from rollwise.loop import SyncSteps
+
+    if cfg.run.mode == "sync":
+        return SyncSteps
+    return partial(AsyncSteps, max_staleness=cfg.run.max_staleness,
+                   stale_policy=cfg.run.stale_policy)

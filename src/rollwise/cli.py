@@ -76,6 +76,9 @@ def os_error_message(e: OSError, root: Path | None = None) -> str:
 FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.checkpoint_every",
                   "run.checkpoint_minutes", "run.keep_checkpoints", "run.loggers", "run.device",
                   "eval.", "health.")
+# where the stages run, not what they compute (group numbering makes the samples the same)
+FREE_TO_CHANGE += ("run.backend", "run.ray_address", "rollout.num_workers",
+                   "rollout.worker_cpus")
 
 
 def config_changes(old: Config, new: Config) -> dict[str, tuple]:
@@ -147,7 +150,7 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
 def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_changes: bool):
     """Validate, build the stages (the model loads), then claim and open the run directory;
     (cfg, root, (stages, Run)). Nothing on disk changes before the config has passed."""
-    from rollwise.build import build
+    from rollwise.build import build_run
     from rollwise.health import HealthCheck
     from rollwise.observe.loggers import check_loggers, make_loggers
     from rollwise.preflight import check_config
@@ -170,7 +173,7 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
     console.print(f"[bold]rollwise[/] {cfg.run.name}: model {cfg.model.name}, task "
                   f"{cfg.task.name}, {cfg.run.num_steps} steps -> "
                   f"{root if resume is not None else Path(cfg.run.output_dir)}", highlight=False)
-    stages = build(cfg)
+    stages = build_run(cfg)
     console.print(stages.info["precision_line"], highlight=False, soft_wrap=True)
     if lock is None:
         root, lock = _claim_run_dir(cfg)
@@ -201,12 +204,18 @@ def _check_output_dir(out: Path) -> None:
 
 
 def _train(cfg: Config, opened) -> dict:
+    from rollwise.build import run_steps
     from rollwise.loop import train as train_loop
 
     stages, run = opened
-    return train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
-                      eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
-                      checkpoint_seconds=cfg.run.checkpoint_minutes * 60)
+    try:
+        return train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
+                          eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
+                          checkpoint_seconds=cfg.run.checkpoint_minutes * 60,
+                          steps=run_steps(cfg))
+    finally:
+        if hasattr(stages, "shutdown"):  # the Ray backend's actors
+            stages.shutdown()
 
 
 @app.command("eval")

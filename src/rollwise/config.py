@@ -46,6 +46,22 @@ class RunConfig(_Section):
     overwrite: bool = Field(
         False, description="Replace an existing run directory of the same name (else -2, -3..)."
     )
+    backend: Literal["local", "ray"] = Field(
+        "local", description="'local' (one process) or 'ray' (rollout workers, the reward "
+        "pool and the learner as Ray actors driven by this process; pip install "
+        "'rollwise[ray]'; docs/scaling.md).")
+    ray_address: str | None = Field(
+        None, description="backend 'ray': the cluster to join, e.g. '10.0.0.5:6379' (default: "
+        "$RAY_ADDRESS, else a local cluster started for the run).")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="'sync' (roll out, then train) or 'async' (the rollouts of the "
+        "next max_staleness steps are generated while a step trains; docs/scaling.md).")
+    max_staleness: int = Field(
+        1, ge=0, description="mode 'async': how many policy versions the oldest token of a "
+        "trained trajectory may lag behind the learner (0: synchronous training exactly).")
+    stale_policy: Literal["drop", "regenerate"] = Field(
+        "drop", description="mode 'async': a group with a trajectory beyond max_staleness is "
+        "dropped, or rolled out again with the current weights (counted either way).")
 
     @field_validator("name")
     @classmethod
@@ -159,6 +175,12 @@ class RolloutConfig(_Section):
     lenience: float = Field(
         1.0, ge=1, description="spec-rl rule: accept a draft token when "
         "min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra acceptance).")
+    num_workers: int = Field(
+        1, ge=1, description="run.backend 'ray': rollout worker actors (each its own engine); "
+        "a step's prompts are split between them.")
+    worker_cpus: float = Field(
+        1.0, gt=0, description="run.backend 'ray': CPUs Ray reserves for each rollout worker "
+        "(the learner actor reserves 1).")
 
 
 class AlgorithmConfig(_Section):

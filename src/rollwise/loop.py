@@ -11,16 +11,38 @@
 
 from __future__ import annotations
 
-from rollwise.rundir import Run, defer_interrupt
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollwise.rewards import RewardStats
+from rollwise.rundir import Run, StepTimer, defer_interrupt
 from rollwise.stages import Stages
+from rollwise.types import Group
+
+
+class SyncSteps:
+    """The synchronous step: roll out, then train (`train_step`). The asynchronous driver
+    (`asyncloop.AsyncSteps`) has the same shape: built for a run from its first step,
+    `step(k)` trains step k, `close()` stops whatever runs ahead."""
+
+    def __init__(self, stages: Stages, run: Run, start: int, num_steps: int):
+        self.stages, self.run, self.num_steps = stages, run, num_steps
+
+    def step(self, step: int) -> dict:
+        return train_step(self.stages, self.run, step, self.num_steps)
+
+    def close(self) -> None:
+        pass
 
 
 def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
           eval_before: bool = True, checkpoint_every: int = 0,
-          checkpoint_seconds: float = 0.0) -> dict:
+          checkpoint_seconds: float = 0.0, steps: Callable[..., SyncSteps] = SyncSteps) -> dict:
     """Train to `num_steps`, resuming where `run` stopped. Checkpoints every
     `checkpoint_every` steps or `checkpoint_seconds`, whichever comes first, and always
-    after the final evaluation; each is of the last completed step (see rundir.py)."""
+    after the final evaluation; each is of the last completed step (see rundir.py).
+    `steps`: how a step runs (`SyncSteps`, or the asynchronous driver's)."""
     try:
         start = run.resume(stages)  # 0 for a new run, else the step of the last checkpoint
         with run.progress(start, num_steps):
@@ -28,13 +50,18 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
                 evaluate(stages, run, 0, before=True)
             elif eval_every and start % eval_every == 0 and 0 < start < num_steps:
                 evaluate(stages, run, start)  # interrupted during this evaluation
-            for step in range(start, num_steps):
-                train_step(stages, run, step, num_steps)
-                run.raise_if_unhealthy(stages)
-                if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
-                    evaluate(stages, run, step + 1)
-                if step + 1 < num_steps:  # the last one comes after the final evaluation
-                    run.maybe_checkpoint(step + 1, stages, checkpoint_every, checkpoint_seconds)
+            stepper = steps(stages, run, start, num_steps)
+            try:
+                for step in range(start, num_steps):
+                    stepper.step(step)
+                    run.raise_if_unhealthy(stages)
+                    if eval_every and (step + 1) % eval_every == 0 and step + 1 < num_steps:
+                        evaluate(stages, run, step + 1)
+                    if step + 1 < num_steps:  # the last one comes after the final evaluation
+                        run.maybe_checkpoint(step + 1, stages, checkpoint_every,
+                                             checkpoint_seconds)
+            finally:
+                stepper.close()
             evaluate(stages, run, num_steps, after=True)
             run.checkpoint(num_steps, stages)
     except KeyboardInterrupt:
@@ -57,24 +84,72 @@ def evaluate(stages: Stages, run: Run, step: int, before: bool = False,
         run.snapshot(stages)
 
 
-def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
-    """One training step (`step` counts from 0); its metrics record. Benchmarks drive it."""
-    timer = run.timer()
+@dataclass
+class Collected:
+    """One step's rollouts, scored and allocated: what `learn` trains on."""
+
+    groups: list[Group]  # every group of the step, merged per prompt
+    kept: list[Group]  # those the allocator trains on
+    reward_stats: RewardStats
+    control: dict[str, float]  # the allocator's and the rollout scheduler's figures
+    requested: int  # trajectories the allocator asked for (every round)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    state: dict | None = None  # the stages' state before this step's rollouts (async)
+    stale_dropped: int = 0  # trajectories of `groups` over the staleness bound (async)
+
+    def flow(self) -> dict[str, int]:
+        """Where the requested trajectories went: requested = trained + filtered (by the
+        allocator) + stale-dropped (by the asynchronous driver's staleness bound)."""
+        every = sum(len(g.trajectories) for g in self.groups)
+        trained = sum(len(g.trajectories) for g in self.kept)
+        return {"traj_requested": self.requested, "traj_trained": trained,
+                "traj_filtered": every - trained - self.stale_dropped,
+                "traj_stale_dropped": self.stale_dropped}
+
+
+def staleness_histogram(groups: list[Group], version: int) -> dict[str, int]:
+    """Trajectories by how many versions their oldest token lags `version`: 0, 1, 2, 3+."""
+    ages = Counter(min(version - min(t.versions), 3) if t.versions else 0
+                   for g in groups for t in g.trajectories)
+    return {f"staleness_hist_{k if k < 3 else '3plus'}": ages.get(k, 0) for k in range(4)}
+
+
+def collect(stages: Stages, timer: StepTimer) -> Collected:
+    """Select, roll out, score and allocate one step's groups (the allocator may ask for
+    more rounds; DAPO's dynamic sampling is the 'dynamic' allocator)."""
+    requests = stages.select()
+    requested = sum(r.n for r in requests)
     with timer("rollout"):
-        groups = stages.rollout(stages.select())
+        groups = stages.rollout(requests)
     with timer("reward"):
         reward_stats = stages.score(groups)
     while requests := stages.observe(groups):  # the allocator may ask for more
+        requested += sum(r.n for r in requests)
         with timer("rollout"):
             groups = stages.rollout(requests)
         with timer("reward"):
             reward_stats = reward_stats + stages.score(groups)
     groups, kept = stages.allocation()  # all groups of the step; those to train on
+    return Collected(groups, kept, reward_stats, stages.control_metrics(), requested)
+
+
+def learn(stages: Stages, run: Run, step: int, num_steps: int, batch: Collected,
+          timer: StepTimer, extra: dict | None = None) -> dict:
+    """Advantages, update and publication of one step's groups; its metrics record.
+    `extra`: figures a driver adds to the record (the asynchronous driver's)."""
     with defer_interrupt():  # Ctrl-C waits until the update is recorded
         with timer("train"):
-            update = stages.update(stages.advantages(kept)) if kept else {}
+            update = stages.update(stages.advantages(batch.kept)) if batch.kept else {}
         published = stages.publish(step + 1)  # its own figures (publish_seconds)
-        record = run.record_step(step + 1, num_steps, groups, kept, reward_stats,
-                                 update | published, timer, control=stages.control_metrics())
-        run.snapshot(stages)
+        record = run.record_step(step + 1, num_steps, batch.groups, batch.kept,
+                                 batch.reward_stats, update | published, timer,
+                                 control=batch.control | batch.flow()
+                                 | staleness_histogram(batch.kept, step) | (extra or {}))
+        run.snapshot(stages, batch.state)
         return record
+
+
+def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
+    """One training step (`step` counts from 0); its metrics record. Benchmarks drive it."""
+    timer = run.timer()
+    return learn(stages, run, step, num_steps, collect(stages, timer), timer)

@@ -49,6 +49,24 @@ from rollwise.runlock import RunLock
 from rollwise.types import Group
 
 
+def capacity(record: dict, phases: dict[str, float], seconds: float,
+             trained: int) -> dict[str, float]:
+    """ECHO-2's capacity view of one step (docs/metrics.md): how busy the learner and the
+    rollout were, trajectories supplied per second of rollout against those the learner
+    consumes per second of training, how long new weights took to reach the engines, the
+    batches waiting (asynchronous driver) and the staleness histogram (0 when absent)."""
+    wall = max(seconds, 1e-9)
+    rollout, train = phases.get("rollout", 0.0), phases.get("train", 0.0)
+    return {
+        "learner_busy_time_frac": train / wall, "rollout_busy_time_frac": rollout / wall,
+        "rollout_supply_per_s": record["step_rollouts"] / max(rollout, 1e-9) if rollout else 0.0,
+        "rollout_demand_per_s": trained / max(train, 1e-9) if train else 0.0,
+        "weights_dissemination_seconds": record.get("publish_seconds", 0.0)
+        + record.get("weights_load_seconds", 0.0),
+        "queue_depth": record.get("queue_depth", 0),
+    }
+
+
 class StepTimer:
     """Wall time per named phase of one step; `other` is what no phase covered."""
 
@@ -123,9 +141,12 @@ class Run:
         self.config_changes: dict[str, list] = {}  # --resume --allow-changes: recorded
 
     # -- snapshots and checkpoints ---------------------------------------------------------
-    def snapshot(self, stages) -> None:
-        """Remember the state after the last completed step (see the module docstring)."""
-        _, stage_state = stages.state_dict()  # references: the learner part is not copied
+    def snapshot(self, stages, stage_state: dict | None = None) -> None:
+        """Remember the state after the last completed step (see the module docstring).
+        `stage_state`: the stages' state as of that step when they have moved on since
+        (the asynchronous driver's rollouts of later steps)."""
+        if stage_state is None:
+            stage_state = stages.stage_state()
         self._snap_id += 1
         self._snap = {"step": self.step, "rng": rng_state(), "id": self._snap_id,
                       "stages": json.loads(json.dumps(stage_state)),
@@ -258,6 +279,7 @@ class Run:
             "reward_errors": rewards.num_errors, "reward_timeouts": rewards.num_timeouts,
             **update, **(control or {}),
         }
+        record |= capacity(record, phases, seconds, sum(len(g.trajectories) for g in kept))
         problems = self.health.observe(record)
         record["health_problems"] = len(problems)
         self.store.add_groups(step, groups)  # one transaction: the step's rows or none

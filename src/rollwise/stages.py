@@ -93,12 +93,16 @@ class Stages:
         return self.evaluator()
 
     def state_dict(self) -> tuple[dict, dict]:
+        return self.learner.state_dict(), self.stage_state()
+
+    def stage_state(self) -> dict:
+        """What changes between steps besides the weights and the optimizer (plain data)."""
         state = {"sampler": self.sampler.state_dict(), "version": self.engine.version,
                  "control": self.control.state_dict()}
         rollout = self.rollout_stage.state_dict()
         if rollout is not None:  # the partial pool and the reuse cache
             state["rollout"] = rollout
-        return self.learner.state_dict(), state
+        return state
 
     def load_state_dict(self, learner_state: dict, state: dict) -> None:
         self.learner.load_state_dict(learner_state)

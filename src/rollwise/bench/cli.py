@@ -208,6 +208,44 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
         typer.echo(f"wrote {json} and {page}")
 
 
+@bench_app.command("async")
+def async_(configs: Annotated[list[Path] | None, typer.Argument(
+               help="Training configs (default: configs/tiny_arith.toml configs/quickstart.toml).")
+           ] = None,
+           json: JsonOpt = None,
+           steps: Annotated[int, typer.Option(help="Training steps per variant.")] = 6,
+           warmup: Annotated[int, typer.Option(help="Warm-up steps left out of medians.")] = 1,
+           variant: Annotated[list[str] | None, typer.Option(
+               help="Variants (repeatable; default all): local-sync, ray-sync, ray-async-1, "
+               "ray-async-2.")] = None,
+           cpus: Annotated[int, typer.Option(
+               help="CPUs of the local Ray cluster (0: the cores this process may use).")] = 0,
+           set_: Annotated[list[str] | None, typer.Option(
+               "--set", help="Config override for every variant, e.g. run.threads=1.")] = None):
+    """Sync vs async (staleness 1 and 2) on Ray, and local: step time, busy fractions,
+    staleness, held-out accuracy; the overlap and Ray-overhead ratios."""
+    from rollwise.bench import overlap
+
+    names = tuple(variant or overlap.VARIANTS)
+    bad = [v for v in names if v not in overlap.VARIANTS]
+    if bad:
+        raise typer.BadParameter(f"unknown variant {bad[0]!r}; known: "
+                                 f"{', '.join(overlap.VARIANTS)}")
+    paths = configs or [Path("configs/tiny_arith.toml"), Path("configs/quickstart.toml")]
+    data = overlap.run(paths, variants={n: overlap.VARIANTS[n] for n in names}, steps=steps,
+                       warmup=warmup, extra=list(set_ or []), num_cpus=cpus or None,
+                       progress=_say)
+    for r in data["results"]:
+        print_table(f"async: {r['config']} ({steps} steps, {warmup} warm-up)", r["variants"],
+                    ["variant", "step_s", "rollout_s", "train_s", "wait_s", "rollout_busy",
+                     "learner_busy", "stale_frac", "stale_dropped", "trajectories", "tokens",
+                     "accuracy"])
+        typer.echo(", ".join(f"{k} {v:.3f}" for k, v in r["derived"].items()))
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")
+
+
 @bench_app.command("compare")
 def compare(runs: Annotated[list[Path], typer.Argument(help="Finished run directories.")],
             json: JsonOpt = None):

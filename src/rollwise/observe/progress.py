@@ -124,4 +124,10 @@ def format_step_line(record: dict[str, Any]) -> str:
     tps = number(record, "rollout_tokens_per_s")
     if tps is not None:
         parts.append(f"{tps:.0f} tok/s")
+    busy = number(record, "learner_busy_time_frac")
+    if busy is not None:
+        parts.append(f"learner busy {busy:.0%}")
+    if number(record, "time_wait") is not None:  # the asynchronous driver
+        stale = sum(number(record, f"staleness_hist_{k}") or 0 for k in ("1", "2", "3plus"))
+        parts.append(f"queue {int(number(record, 'queue_depth') or 0)} stale {int(stale)}")
     return " | ".join(parts)

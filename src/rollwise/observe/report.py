@@ -150,6 +150,7 @@ def run_figures(
     candidates.append(_length_figure(run_dir, train))
     candidates.append(_time_figure(train))
     candidates.append(_offpolicy_figure(train))
+    candidates.append(_capacity_figure(train))
     candidates.extend(_eval_figures(evals))
     return [(caption, png) for caption, png in candidates if png is not None]
 
@@ -210,6 +211,31 @@ def _offpolicy_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
         return "off-policy tokens and their correction", None
     return ("off-policy tokens (partial rollouts) and their correction",
             plots.line_plot(series, "step", "value", "off-policy tokens and correction"))
+
+
+def _capacity_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """ECHO-2's capacity view: busy fractions, supply against demand, staleness."""
+    keys = {"learner busy frac": "learner_busy_time_frac", "rollout busy frac": "rollout_busy_time_frac",
+            "supply / demand": None, "stale (>=1 version) frac": None}
+    series = {}
+    for label, key in keys.items():
+        if key is not None:
+            pts = _points(train, "step", key)
+        elif label.startswith("supply"):
+            pts = [(r["step"], r["rollout_supply_per_s"] / r["rollout_demand_per_s"])
+                   for r in train if number(r, "rollout_demand_per_s")
+                   and number(r, "rollout_supply_per_s") is not None]
+        else:
+            pts = [(r["step"], sum(r.get(f"staleness_hist_{k}", 0) for k in ("1", "2", "3plus"))
+                    / max(r.get("traj_trained", 0), 1))
+                   for r in train if "staleness_hist_0" in r]
+        if pts:
+            series[label] = pts
+    if not series:
+        return "capacity", None
+    caption = ("capacity (ECHO-2): learner and rollout busy fractions, rollout supply over "
+               "learner demand, stale share")
+    return caption, plots.line_plot(series, "step", "value", "capacity")
 
 
 def _pass_at_k_series(evals: list[dict[str, Any]], x_key: str) -> plots.Series:

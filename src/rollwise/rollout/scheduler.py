@@ -115,6 +115,11 @@ class RolloutScheduler:
     def publish(self, version: int) -> None:
         self.engine.publish(version)
 
+    def number_groups_from(self, uid: int) -> None:
+        """The number of the next new group (its samples' seeds derive from it): a driver
+        that spreads a step over several schedulers numbers the groups as one would."""
+        self._uid = uid
+
     # -- one step --------------------------------------------------------------------------
 
     def run(self, prompts: list[EncodedPrompt],

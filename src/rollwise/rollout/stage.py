@@ -101,6 +101,12 @@ class RolloutStage:
         rounds, self._figures = self._figures, []
         return sum(rounds, RolloutFigures()).metrics() if rounds else {}
 
+    def take_figures(self) -> list[RolloutFigures]:
+        """The scheduler's figures of this step's rounds, as records that add (a driver
+        that sums several workers' rounds); resets, as `metrics` does."""
+        rounds, self._figures = self._figures, []
+        return rounds
+
     def publish(self, version: int) -> None:
         self.engine.publish(version)
 

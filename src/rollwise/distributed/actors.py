@@ -1,0 +1,181 @@
+"""The Ray actors: each wraps a stage object the local driver uses, built by `build.py`.
+
+    RolloutWorker   a `RolloutStage` (engine + scheduler); loads the published weights
+                    between requests; scores through the reward actor while it decodes
+    RewardWorker    a `RewardPool` (verifier processes with time limits)
+    LearnerWorker   a `Learner`; publishes its weights once per version into the object
+                    store (one copy, read by every worker)
+
+Plain classes: `rollwise.distributed.stages` makes them actors (`ray.remote`) with the
+restart options, so this module imports without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from rollwise.rewards import RewardPool, RewardStats
+from rollwise.runtime import configure as configure_runtime
+from rollwise.types import Trajectory
+
+
+def _config(data: dict):
+    from rollwise.config import validate_config
+
+    return validate_config(data)
+
+
+def to_plain(state: dict[str, torch.Tensor]) -> dict:
+    """Tensors as numpy arrays where numpy has the dtype (read zero-copy from the object
+    store), else as tensors (bfloat16). A tensor that shares its memory with an earlier
+    one (tied embeddings) is sent once: loading the first updates both."""
+    out, seen = {}, set()
+    for k, v in state.items():
+        v = v.detach().cpu()
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[k] = v.numpy() if v.dtype in (torch.float32, torch.float16, torch.float64,
+                                          torch.int64, torch.int32) else v.clone()
+    return out
+
+
+def load_plain(model, state: dict) -> None:
+    """Copy a `to_plain` state into `model`'s tensors, in place (the engine reads them)."""
+    own = model.state_dict()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only arrays of the object store: copied
+        for k, v in state.items():
+            own[k].copy_(torch.as_tensor(v) if isinstance(v, np.ndarray) else v)
+
+
+class RemoteScorer:
+    """A rollout stage's scorer that calls the reward actor (scores copied in place)."""
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def __call__(self, trajectories: list[Trajectory]) -> RewardStats:
+        import ray
+
+        if not trajectories:
+            return RewardStats(0, 0, 0, 0.0)
+        out, stats = ray.get(self.reward.score.remote(trajectories))
+        for t, (reward, scores, errors, seconds) in zip(trajectories, out, strict=True):
+            t.reward, t.scores, t.reward_errors = reward, scores, errors
+            t.timings["reward"] = seconds
+        return stats
+
+
+class RolloutWorker:
+    def __init__(self, cfg_data: dict, policy, precision, reward, threads: int):
+        from rollwise.build import build_rollout_stage
+
+        configure_runtime(threads)
+        cfg = _config(cfg_data)
+        self.policy = policy
+        self.stage = build_rollout_stage(cfg, policy, precision, RemoteScorer(reward))
+        self.busy = False
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def is_busy(self) -> bool:
+        return self.busy
+
+    def rollout(self, prompts, sizes, first_uid, version, weights):
+        """Groups for `prompts`, scored; the weights of `version` loaded first when this
+        worker holds another (`weights`: [the object store reference])."""
+        self.busy = True
+        try:
+            loaded = self._load(version, weights[0])
+            if first_uid is not None and self.stage.scheduler is not None:
+                self.stage.scheduler.number_groups_from(first_uid)
+            groups = self.stage.run(prompts, [int(n) for n in sizes])
+            stats = self.stage.score(groups)
+            return groups, stats, self.stage.take_figures(), {
+                "weights_load_seconds": loaded, "pid": os.getpid()}
+        finally:
+            self.busy = False
+
+    def _load(self, version: int, ref) -> float:
+        if version == self.stage.engine.version or ref is None:
+            return 0.0
+        import ray
+
+        start = time.perf_counter()
+        load_plain(self.policy.model, ray.get(ref))
+        self.stage.publish(version)
+        return time.perf_counter() - start
+
+
+class RewardWorker:
+    def __init__(self, specs, timeout_s: float):
+        self.pool = RewardPool(specs, timeout_s=timeout_s).start()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def score(self, trajectories: list[Trajectory]):
+        stats = self.pool.score(trajectories)
+        return [(t.reward, t.scores, t.reward_errors, t.timings.get("reward", 0.0))
+                for t in trajectories], stats
+
+
+class LearnerWorker:
+    def __init__(self, cfg_data: dict, policy, precision, threads: int):
+        from rollwise.build import build_learner
+
+        configure_runtime(threads)
+        cfg = _config(cfg_data)
+        torch.manual_seed(cfg.run.seed)
+        self.policy = policy
+        self.learner = build_learner(cfg, policy, precision)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def update(self, batch):
+        start = time.perf_counter()
+        out = self.learner.update(batch)
+        return out, time.perf_counter() - start
+
+    def publish(self, version: int):
+        """The weights of `version` put once into the object store: ([reference], bytes)."""
+        import ray
+
+        state = to_plain(self.policy.model.state_dict())
+        nbytes = sum(v.nbytes if isinstance(v, np.ndarray) else v.numel() * v.element_size()
+                     for v in state.values())
+        return [ray.put(state)], nbytes
+
+    def state(self) -> dict:
+        return self.learner.state_dict()
+
+    def load(self, learner_state: dict, weights: dict) -> None:
+        load_plain(self.policy.model, weights)
+        self.learner.load_state_dict(learner_state)

@@ -1,0 +1,192 @@
+"""The Ray backend on a local 2-CPU cluster (one per module): the same metrics as the
+local driver, asynchronous training within its staleness bound, a rollout worker killed
+mid-step, a dead learner and --resume, clear errors for a wrong address or no Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rollwise.build import build, build_run, run_steps
+from rollwise.config import ConfigError, load_config, to_toml
+from rollwise.distributed.cluster import connect, probe, worker_env
+from rollwise.loop import train
+from rollwise.replay import TrajectoryStore
+from rollwise.rundir import Run
+
+pytestmark = pytest.mark.ray
+
+CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
+TIMING = ("time", "seconds", "_per_s", "makespan", "tail_s",
+          "publish", "eta")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    # a shared machine's memory use is not the tests': Ray's own OOM killer stays off
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             runtime_env=worker_env(), _temp_dir="/tmp/rwray")
+    yield
+    ray.shutdown()
+
+
+def small(tmp_path: Path, *extra: str):
+    return load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "run.num_steps=3",
+                                "run.threads=1", "rollout.prompts_per_step=4",
+                                "task.num_eval=24", "eval.every=2", *extra])
+
+
+def records(root: Path, kind: str | None = None) -> list[dict]:
+    out = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in out if kind is None or r["kind"] == kind]
+
+
+def run_config(cfg, name: str, *, stages=None, resume: bool = False) -> dict:
+    cfg.run.name = name
+    stages = stages or build_run(cfg)
+    run = Run(Path(cfg.run.output_dir) / name, resume=resume, config_toml=to_toml(cfg),
+              echo=lambda s: None)
+    try:
+        return train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
+                     checkpoint_every=cfg.run.checkpoint_every, steps=run_steps(cfg))
+    finally:
+        if hasattr(stages, "shutdown"):
+            stages.shutdown()
+
+
+def assert_flow(trains: list[dict]) -> None:
+    for r in trains:
+        assert r["traj_requested"] == (r["traj_trained"] + r["traj_filtered"]
+                                       + r["traj_stale_dropped"]), r["step"]
+
+
+def test_ray_matches_local_and_async_zero_too(tmp_path):
+    """backend ray (sync, and async S=0) trains exactly as the local driver: the same
+    rewards, losses, lengths, evaluations at every step."""
+    cfg = small(tmp_path)
+    run_config(cfg, "local", stages=build(cfg))
+    run_config(small(tmp_path, "run.backend='ray'", "run.mode='async'",
+                     "run.max_staleness=0"), "ray")
+    a, b = records(tmp_path / "local"), records(tmp_path / "ray")
+    assert [r["kind"] for r in a] == [r["kind"] for r in b]
+    for x, y in zip(a, b):
+        keys = {k for k in set(x) & set(y) if not any(t in k for t in TIMING)}
+        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, (x["kind"], x["step"])
+    assert all(r["weights_bytes"] > 0 for r in records(tmp_path / "ray", "train"))
+
+
+@pytest.mark.slow
+def test_async_one_step_ahead_stays_within_the_bound(tmp_path):
+    cfg = small(tmp_path, "run.backend='ray'", "run.mode='async'", "run.max_staleness=1",
+                "rollout.num_workers=2", "rollout.worker_cpus=0.5", "run.num_steps=4",
+                "eval.every=0")
+    run_config(cfg, "async1")
+    trains = records(tmp_path / "async1", "train")
+    assert len(trains) == 4
+    assert_flow(trains)
+    assert all(r["staleness_hist_2"] == r["staleness_hist_3plus"] == 0 for r in trains)
+    # step k's rollouts begin at version k-1 or later: never more than one update behind
+    assert all(r["step"] - 1 - r["rollout_started_version"] <= 1 for r in trains)
+    assert sum(r["step_rollouts"] for r in trains) == 4 * 4 * 8  # none lost, none twice
+
+
+def test_killed_rollout_worker_is_restarted_and_its_requests_rerun(tmp_path):
+    cfg = small(tmp_path, "run.backend='ray'", "run.num_steps=4", "eval.every=0")
+    cfg.run.name = "fault"
+    stages = build_run(cfg)
+    pid = stages.worker_pids()[0]
+    killed = []
+
+    def kill_mid_rollout():
+        metrics = tmp_path / "fault" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # after step 1, while the worker decodes
+            trained = metrics.exists() and '"train"' in metrics.read_text()
+            if trained and ray.get(stages.workers[0].is_busy.remote()):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_mid_rollout)
+    killer.start()
+    summary = run_config(cfg, "fault", stages=stages)
+    killer.join()
+    assert killed, "the worker was never caught mid-rollout"
+    trains = records(tmp_path / "fault", "train")
+    assert [r["step"] for r in trains] == [1, 2, 3, 4] and summary["steps"] == 4
+    assert trains[-1]["rollout_worker_restarts"] >= 1
+    assert stages.worker_pids()[0] != pid
+    assert_flow(trains)
+    assert all(r["traj_requested"] == r["step_rollouts"] == 4 * 8 for r in trains)
+    store = TrajectoryStore(tmp_path / "fault" / "trajectories.sqlite")
+    try:  # every step's groups once: 4 prompts of 8 samples, no duplicate
+        for step in range(1, 5):
+            groups = store.load_groups(step)
+            assert [len(g.trajectories) for g in groups] == [8] * 4
+            assert len({g.sample.id for g in groups}) == 4
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_dead_learner_ends_the_run_and_resume_continues(tmp_path):
+    cfg = small(tmp_path, "run.backend='ray'", "run.num_steps=4", "eval.every=0",
+                "run.checkpoint_every=2")
+    cfg.run.name = "learner"
+    stages = build_run(cfg)
+    learner_pid = ray.get(stages.learner_actor.pid.remote())
+    original = stages.update
+
+    def update_then_die(batch):
+        if stages._weights[0] == 2:  # the update of step 3: after the step-2 checkpoint
+            os.kill(learner_pid, signal.SIGKILL)
+        return original(batch)
+
+    stages.update = update_then_die
+    from rollwise.distributed import LearnerDied
+
+    with pytest.raises(LearnerDied, match="--resume"):
+        run_config(cfg, "learner", stages=stages)
+    root = tmp_path / "learner"
+    assert [r["step"] for r in records(root, "train")] == [1, 2]
+    summary = run_config(cfg, "learner", resume=True)
+    assert summary["steps"] == 4
+    assert [r["step"] for r in records(root, "train")] == [1, 2, 3, 4]
+
+
+def test_unreachable_address_fails_fast_and_missing_ray_names_the_install(monkeypatch):
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="no Ray cluster answers at 127.0.0.1:9"):
+        probe("127.0.0.1:9", timeout_s=2)
+    assert time.monotonic() - start < 5
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached"))
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:9")  # the variable is read too
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="run.ray_address = 'ray://127.0.0.1:9'"):
+        connect(None)
+    assert time.monotonic() - start < 5
+    monkeypatch.delenv("RAY_ADDRESS")
+    import builtins
+
+    real = builtins.__import__
+
+    def no_ray(name, *a, **k):
+        if name == "ray":
+            raise ImportError("No module named 'ray'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(ConfigError, match=r"pip install 'rollwise\[ray\]'"):
+        connect(None)
