@@ -20,7 +20,8 @@ from rollwise.algos import (
 from rollwise.config import Config
 from rollwise.control import Controller, PosteriorBook, UniformSampler, make_allocator
 from rollwise.engine.base import Engine, RequestEngine, SamplingParams
-from rollwise.evaluate import Evaluator
+from rollwise.envs.render import TurnRenderer
+from rollwise.evaluate import EpisodeEvaluator, Evaluator
 from rollwise.learner import Learner
 from rollwise.models import Policy, load_policy
 from rollwise.precision import ModelShapes, PrecisionChoice
@@ -28,6 +29,7 @@ from rollwise.precision import resolve as resolve_precision
 from rollwise.rewards import RewardPool, RewardSpec, get_verifier
 from rollwise.rewards.group import GROUP_REWARDS, GroupTerm, get_group_reward
 from rollwise.rollout import RolloutScheduler, RolloutStage
+from rollwise.rollout.episodes import EpisodeRunner, keep_env_rewards
 from rollwise.runtime import configure as configure_runtime
 from rollwise.stages import Stages, encode_prompts
 from rollwise.tasks import Task, make_task
@@ -98,9 +100,10 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
             corrections, precision.correction, "correction"),
         correction_options={"cap": a.correction_cap, "low": a.correction_low},
         skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts)
+    eval_engine = _build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens,
+                                precision.rollout, weights_from=engine)
     evaluator = Evaluator(
-        engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens,
-                             precision.rollout, weights_from=engine),
+        engine=eval_engine,
         prompts=eval_prompts,
         pool=eval_pool,
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
@@ -109,9 +112,15 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, max_tokens=r.max_tokens)
     control = _build_control(cfg, sampler)
-    rollout_stage = RolloutStage(
-        engine, sampling, policy.decode, train_pool.score,
-        scheduler=_build_scheduler(cfg, engine, sampling, policy.decode), fetch=control.extra)
+    if task.env is None:
+        rollout_stage = RolloutStage(
+            engine, sampling, policy.decode, train_pool.score,
+            scheduler=_build_scheduler(cfg, engine, sampling, policy.decode), fetch=control.extra)
+    else:  # multi-turn episodes: the environment scores them (docs/agents.md)
+        rollout_stage = RolloutStage(engine, sampling, policy.decode, keep_env_rewards,
+                                     episodes=_episode_runner(cfg, engine, sampling, policy, task))
+        evaluator = EpisodeEvaluator(_episode_runner(cfg, eval_engine, sampling, policy, task),
+                                     eval_prompts, eval_max, chunk=e.batch_size)
     return Stages(
         policy=policy, task=task, sampler=sampler, control=control,
         rollout_stage=rollout_stage,
@@ -197,6 +206,23 @@ def _build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
         engine, sampling, decode, strategy=r.strategy, over_provision=r.over_provision,
         max_staleness=r.max_staleness, chunk_tokens=r.chunk_tokens, spec_group=r.spec_group,
         spec_reuse=r.spec_reuse, reuse_rule=r.reuse_rule, lenience=r.lenience,
+        seed=cfg.run.seed)
+
+
+def _episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, policy: Policy,
+                    task: Task) -> EpisodeRunner:
+    """The episode runner of a task with an environment (native engine only)."""
+    from rollwise.config import ConfigError
+
+    r = cfg.rollout
+    if not isinstance(engine, RequestEngine):
+        raise ConfigError(f"task '{task.name}' rolls out multi-turn episodes, which need the "
+                          "native engine (rollout.engine = 'native' and a supported model)")
+    return EpisodeRunner(
+        engine, sampling, task.env, TurnRenderer(policy.tokenizer, policy.chat, policy.stop_ids),
+        policy.decode, max_turns=r.max_turns,
+        max_context=min(r.max_episode_tokens, policy.max_context),
+        env_timeout_s=r.env_timeout_s, branches=r.tree_branches, depth=r.tree_depth,
         seed=cfg.run.seed)
 
 

@@ -158,6 +158,21 @@ class RolloutConfig(_Section):
     lenience: float = Field(
         1.0, ge=1, description="spec-rl rule: accept a draft token when "
         "min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra acceptance).")
+    # multi-turn episodes: tasks with an environment (calc_tool, lookup, guess; docs/agents.md)
+    max_turns: int = Field(
+        4, ge=1, description="Environment tasks: policy turns per episode at most "
+        "(max_tokens is each turn's budget).")
+    max_episode_tokens: int = Field(
+        1024, ge=2, description="Environment tasks: an episode's prompt + turns + observations "
+        "at most; an episode that would exceed it ends.")
+    env_timeout_s: float = Field(
+        10.0, gt=0, description="Environment tasks: time limit of one env step; an env that "
+        "overruns it (or raises) ends its episode with reward 0 and the error recorded.")
+    tree_branches: int = Field(
+        1, ge=1, description="Tree rollouts (Tree-GRPO): each episode forks into this many "
+        "after each of the first tree_depth turns (1: no tree); group_size must be a "
+        "multiple of tree_branches ** tree_depth.")
+    tree_depth: int = Field(1, ge=1, description="Tree rollouts: turns after which to fork.")
 
 
 class AlgorithmConfig(_Section):
@@ -165,7 +180,7 @@ class AlgorithmConfig(_Section):
 
     advantage: str = Field(
         "grpo", description="Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, "
-        "reinforce_pp_baseline, mc_grpo, drpo, pass_at_k.")
+        "reinforce_pp_baseline, mc_grpo, drpo, pass_at_k; multi-turn: gigpo, tree_grpo.")
     advantage_options: dict[str, Any] = Field(
         default_factory=dict, description="Estimator options, e.g. { k = 4 } for pass_at_k.")
     loss: str = Field("ppo", description="Policy loss: ppo, gspo or cispo.")
