@@ -5,7 +5,7 @@
     guess       guess the number in [1, high] with higher/lower feedback (a game)
 
 Each returns a `Task` whose `env` makes one environment per episode. For `guess` the
-prompt is the same for every secret: held-out "prompts" are fresh episodes (secrets drawn
+prompt is the same for every secret ("guess 1-8:" for the built-in tiny model): held-out "prompts" are fresh episodes (secrets drawn
 with the eval seed), since no prompt can reveal the secret.
 """
 
@@ -60,12 +60,15 @@ def build_guess(setup: TaskSetup = DEFAULT_SETUP, high: int = 16, max_guesses: i
                 consistent_bonus: float = 0.1) -> Task:
     """Guess a secret in [1, high] within `max_guesses` guesses (rollwise.envs.guess)."""
     text = (f"I am thinking of a number from 1 to {high}. Guess it: reply with one number. "
-            "I will tell you higher or lower.")
+            "I will tell you higher or lower.") if setup.chat else f"guess 1-{high}:"
 
     def split(side: str, count: int) -> list[Sample]:
+        # reference: a uniform first guess (the built-in tiny model's warm start learns
+        # the move format from it; the secret is unknowable from the prompt)
         rng = random.Random(f"guess:{setup.seed}:{side}")
         return [Sample(id=f"guess/{side}/{i}", prompt=as_prompt(text, setup.chat),
-                       answer=str(secret), meta={"secret": secret, "high": high})
+                       answer=str(secret), reference=str(rng.randint(1, high)),
+                       meta={"secret": secret, "high": high})
                 for i, secret in enumerate(rng.randint(1, high) for _ in range(count))]
 
     def verifier(completion: str, sample: Sample) -> float:  # a one-guess episode

@@ -269,11 +269,16 @@ class EpisodeRunner:
                          "turn_states"):
                 setattr(twin, name, list(getattr(ep, name)))
             if not ep.finished:
-                twin.env = copy.deepcopy(ep.env)
+                try:  # the environment's own clone() where it has one, else a deep copy
+                    clone = getattr(ep.env, "clone", None)
+                    twin.env = clone() if clone is not None else copy.deepcopy(ep.env)
+                except Exception as e:  # noqa: BLE001 -- the copy's episode ends instead
+                    twin.error = f"env: cannot copy for a tree branch: {type(e).__name__}: {e}"
+                    twin.finished = True
             twin.seed = derive_seed(ep.seed, 7919 + len(episodes))
             episodes.append(twin)
             forks.append(twin)
-        return [] if ep.finished else forks
+        return [] if ep.finished else [f for f in forks if not f.finished]
 
     def _submit_all(self, eps: list[_Episode], params: SamplingParams,
                     by_rid: dict[int, _Episode], counts: EpisodeFigures) -> None:
