@@ -158,3 +158,40 @@ def test_gym_text_adapter():
     env.reset(s)
     bad = env.step("7")  # truncated ends the episode as well
     assert bad.done and bad.reward == 0.0
+
+
+def _smollm2_tokenizer():
+    from rollwise.models.tiny import cache_root
+
+    path = cache_root() / "models" / "smollm2-135m-instruct"
+    if not (path / "tokenizer_config.json").is_file():
+        pytest.skip("SmolLM2-135M-Instruct is not converted in the local cache")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_rendered_turns_equal_the_chat_templates_own_tokens():
+    """Prompt ids + sampled turn ids + observation ids (each tokenized once, never the
+    history again) are exactly the chat template's tokens of the whole conversation."""
+    from rollwise.envs.render import TurnRenderer
+
+    tok = _smollm2_tokenizer()
+    renderer = TurnRenderer(tok, chat=True, stop_ids=[tok.eos_token_id])
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    ids = list(tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"])
+    messages = list(user)
+    for turn, obs in (("Let me check <tool_call>calc(2 + 3)</tool_call>", "calc(2 + 3) = 5"),
+                      ("It is", "error: cannot read")):
+        sampled = tok(turn, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids += sampled + renderer.observation_ids(obs, sampled)
+        messages += [{"role": "assistant", "content": turn}, {"role": renderer.role,
+                                                              "content": obs}]
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                   return_dict=True)["input_ids"]
+    assert ids == list(want)
+    # a turn cut at max_tokens (no stop token sampled): the renderer closes it
+    cut = tok("Hello", add_special_tokens=False)["input_ids"]
+    closed = renderer.observation_ids("x", cut)
+    assert tok.decode(closed).startswith("<|im_end|>\n<|im_start|>user\nx")
