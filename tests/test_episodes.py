@@ -206,3 +206,20 @@ def test_token_faithfulness_learner_logprobs_match_engine(model, share_prompts):
     m = batch.loss_mask.bool()
     assert int(m.sum()) == sum(sum(t.loss_mask) for t in trajs)
     assert torch.allclose(lp[m], batch.old_logprobs[m], atol=1e-4, rtol=0)
+
+
+def test_trajectory_store_keeps_the_episode_layout(model):
+    from rollwise.replay import TrajectoryStore
+
+    runner, _ = _runner(model, lambda: ScriptedEnv(done_after=9), max_turns=3, n=2,
+                        branches=2, depth=1)
+    groups, _, _ = runner.run(_prompts(2))
+    store = TrajectoryStore(":memory:")
+    store.add_groups(1, groups)
+    back = store.load_groups(1)
+    for g, h in zip(groups, back, strict=True):
+        for t, u in zip(g.trajectories, h.trajectories, strict=True):
+            assert (u.loss_mask, u.turns, u.turn_rewards, u.turn_states, u.tree) == (
+                t.loss_mask, t.turns, t.turn_rewards, t.turn_states, t.tree)
+            assert u.response_ids == t.response_ids and u.reward == t.reward
+    assert store.delete_after(0) == 4 and store.load_groups(1) == []
