@@ -119,7 +119,8 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
     else:  # multi-turn episodes: the environment scores them (docs/agents.md)
         rollout_stage = RolloutStage(engine, sampling, policy.decode, keep_env_rewards,
                                      episodes=_episode_runner(cfg, engine, sampling, policy, task))
-        evaluator = EpisodeEvaluator(_episode_runner(cfg, eval_engine, sampling, policy, task),
+        evaluator = EpisodeEvaluator(_episode_runner(cfg, eval_engine, sampling, policy, task,
+                                                     tree=False),
                                      eval_prompts, eval_max, chunk=e.batch_size)
     return Stages(
         policy=policy, task=task, sampler=sampler, control=control,
@@ -210,8 +211,9 @@ def _build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
 
 
 def _episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, policy: Policy,
-                    task: Task) -> EpisodeRunner:
-    """The episode runner of a task with an environment (native engine only)."""
+                    task: Task, tree: bool = True) -> EpisodeRunner:
+    """The episode runner of a task with an environment (native engine only); `tree`
+    False: no tree branching (evaluation runs one episode per prompt)."""
     from rollwise.config import ConfigError
 
     r = cfg.rollout
@@ -222,7 +224,8 @@ def _episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, polic
         engine, sampling, task.env, TurnRenderer(policy.tokenizer, policy.chat, policy.stop_ids),
         policy.decode, max_turns=r.max_turns,
         max_context=min(r.max_episode_tokens, policy.max_context),
-        env_timeout_s=r.env_timeout_s, branches=r.tree_branches, depth=r.tree_depth,
+        env_timeout_s=r.env_timeout_s, branches=r.tree_branches if tree else 1,
+        depth=r.tree_depth,
         seed=cfg.run.seed)
 
 
