@@ -39,7 +39,8 @@ def prepare_batch(groups: list[Group], estimator: Callable, *, pad_id: int,
         truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
         batch.loss_mask[truncated] = 0
     inputs = {"mask": batch.loss_mask,
-              "lengths": torch.tensor([t.num_tokens for t in trajs], dtype=torch.float32)}
+              # sampled tokens only (a multi-turn episode's observations are not its length)
+              "lengths": torch.tensor([sum(t.sampled_mask) for t in trajs], dtype=torch.float32)}
     inputs |= episode_inputs(trajs, batch.loss_mask.shape[1], estimator)
     if reference_kl is not None and kl_coef > 0:
         token_rewards = -kl_coef * reference_kl(batch).float() * batch.loss_mask
