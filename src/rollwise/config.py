@@ -86,7 +86,8 @@ class ModelConfig(_Section):
 
 class TaskConfig(_Section):
     name: str = Field(
-        "arith", description="'arith', 'arith_chain', 'arith_mix', 'countdown' or 'file'."
+        "arith", description="'arith', 'arith_chain', 'arith_mix', 'countdown', 'file'; with an "
+        "environment (multi-turn, docs/agents.md): 'calc_tool', 'lookup', 'guess'."
     )
     num_train: int = Field(2000, ge=1, description="Training prompts generated (or read).")
     num_eval: int = Field(200, ge=1, description="Held-out prompts for evaluation.")

@@ -40,7 +40,7 @@ def safe_eval(expression: str) -> int | float:
     >>> safe_eval("__import__('os')")
     Traceback (most recent call last):
     ...
-    rollwise.envs.calc.CalcError: not allowed: the name '__import__'
+    rollwise.envs.calc.CalcError: not allowed: calling '__import__' (only abs, min, max, round)
     """
     if len(expression) > MAX_EXPRESSION:
         raise CalcError(f"expression longer than {MAX_EXPRESSION} characters")
@@ -70,9 +70,11 @@ def _eval(node: ast.AST) -> int | float:
         if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
             raise CalcError("result out of range")
         return value
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in _FUNCS and not node.keywords and node.args):
-        return _FUNCS[node.func.id](*[_eval(a) for a in node.args])
+    if isinstance(node, ast.Call):
+        name = node.func.id if isinstance(node.func, ast.Name) else type(node.func).__name__
+        if name not in _FUNCS or node.keywords or not node.args:
+            raise CalcError(f"not allowed: calling {name!r} (only abs, min, max, round)")
+        return _FUNCS[name](*[_eval(a) for a in node.args])
     if isinstance(node, ast.Name):
         raise CalcError(f"not allowed: the name {node.id!r}")
     raise CalcError(f"not allowed: {type(node).__name__}")

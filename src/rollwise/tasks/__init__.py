@@ -59,7 +59,7 @@ def make_task(
     >>> make_task("arithh")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file, or "package.module:function"
+    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, calc_tool, countdown, file, guess, lookup, or "package.module:function"
     """
     accepted = task_options(name)
     if path is not None:
