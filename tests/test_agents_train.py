@@ -48,6 +48,8 @@ def test_trained_batch_is_token_faithful_and_masks_env_tokens(tmp_path, extra):
     assert result["num_prompts"] == 8 and 1.0 <= result["mean_turns"] <= 3.0
 
 
-def test_environment_task_needs_the_native_engine(tmp_path):
+def test_environment_task_needs_the_native_engine_and_no_single_turn_strategy(tmp_path):
     with pytest.raises(ConfigError, match="native engine"):
         build(_config(tmp_path, "rollout.engine='hf'"))
+    with pytest.raises(ConfigError, match="partial.*single-turn"):
+        build(_config(tmp_path, "rollout.strategy='partial'"))

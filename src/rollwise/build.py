@@ -220,6 +220,12 @@ def _episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, polic
     if not isinstance(engine, RequestEngine):
         raise ConfigError(f"task '{task.name}' rolls out multi-turn episodes, which need the "
                           "native engine (rollout.engine = 'native' and a supported model)")
+    single_turn = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
+        "sync", "continuous"), "rollout.spec_group": r.spec_group,
+        "rollout.spec_reuse": r.spec_reuse}.items() if on]
+    if single_turn:
+        raise ConfigError(f"{', '.join(single_turn)} applies to single-turn tasks; task "
+                          f"'{task.name}' runs episodes with continuous batching")
     return EpisodeRunner(
         engine, sampling, task.env, TurnRenderer(policy.tokenizer, policy.chat, policy.stop_ids),
         policy.decode, max_turns=r.max_turns,
