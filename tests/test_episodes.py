@@ -186,6 +186,9 @@ def test_context_limit_ends_episodes(model):
         for t in g.trajectories:
             assert len(t.prompt_ids) + len(t.response_ids) <= 40
     assert counts.truncated_context >= 1
+    short, _ = _runner(model, lambda: ScriptedEnv(), max_context=4)  # no room for a turn
+    groups, _, counts = short.run(_prompts(1))
+    assert counts.truncated_context == 2 and groups[0].trajectories[0].response_ids == []
 
 
 @pytest.mark.parametrize("share_prompts", [True, False])

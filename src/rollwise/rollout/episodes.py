@@ -293,6 +293,10 @@ class EpisodeRunner:
             if ep.turns:  # everything but the last observation was in the last request
                 counts.prefix_reuse_tokens += len(ep.prompt) + ep.turns[-1][1]
             budget = min(params.max_tokens, self.max_context - len(ids) - 1)
+            if budget < 1:  # a first prompt longer than max_episode_tokens
+                counts.truncated_context += 1
+                ep.finished = True
+                continue
             rid = self.engine.submit(ids, replace(params, max_tokens=budget),
                                      seed=derive_seed(ep.seed, len(ep.turns)), tag=ep.group)
             by_rid[rid] = ep
