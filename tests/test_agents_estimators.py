@@ -113,3 +113,17 @@ def test_single_turn_trajectories_are_the_one_turn_case():
     base = grpo(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0, 0, 0]))
     assert torch.allclose(batch.advantages[:, 2:], (2 * base)[:, None].expand(3, 2), atol=1e-5)
     assert batch.advantages[:, :2].abs().max().item() == 0.0
+
+
+def test_without_turn_inputs_each_row_is_one_turn():
+    """Called like a single-turn estimator (no turns/anchors/trees): GiGPO is
+    (1 + omega) x GRPO on the mask's tokens, Tree-GRPO (one tree a group) 2 x GRPO."""
+    from rollwise.algos.advantages import grpo
+
+    rewards, gids = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]], dtype=torch.float32)
+    base = grpo(rewards, gids)
+    assert torch.allclose(gigpo(rewards, gids, mask=mask, omega=0.5),
+                          1.5 * base[:, None] * mask, atol=1e-5)
+    assert torch.allclose(gigpo(rewards, gids), 2 * base, atol=1e-5)
+    assert torch.allclose(tree_grpo(rewards, gids), 2 * base, atol=1e-5)

@@ -247,9 +247,11 @@ def pass_at_k(rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 4,
 
 
 @register(advantage_estimators, "gigpo")
-def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, turns: torch.Tensor,
-          step_rewards: torch.Tensor, anchors: torch.Tensor, omega: float = 1.0,
-          gamma: float = 0.95, normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
+          turns: torch.Tensor | None = None, step_rewards: torch.Tensor | None = None,
+          anchors: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+          omega: float = 1.0, gamma: float = 0.95, normalize: bool = True,
+          eps: float = 1e-6) -> torch.Tensor:
     """GiGPO (Feng et al., arXiv 2505.10978): group-in-group credit for multi-turn agents.
 
         episode level   A_E(i) = (R_i - mean_g(R)) / (std_g(R) + eps)        (GRPO)
@@ -261,8 +263,14 @@ def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, turns: torch.Tensor
 
     `normalize` False drops both divisions by the std (the paper's mean-only variant).
     std is the unbiased one, as in `grpo`. Returns [N, T], 0 off the policy's tokens.
+    Without the multi-turn inputs each row is one turn in one state per group (a
+    single-turn batch): A = A_E + omega * A_S on the `mask`'s tokens, or [N] without it.
     """
     r = rewards.double()
+    if step_rewards is None:
+        step_rewards = r[:, None]
+    if anchors is None:
+        anchors = torch.zeros(step_rewards.shape, dtype=torch.long)
     mean, std = group_stats(r, group_ids)
     episode = (r - mean) / (std + eps) if normalize else r - mean
     k_max = step_rewards.shape[1]
@@ -279,14 +287,18 @@ def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, turns: torch.Tensor
         m, s = group_stats(rets[rows, ks], torch.unique(keys, dim=0, return_inverse=True)[1])
         centred = rets[rows, ks] - m
         step[rows, ks] = centred / (s + eps) if normalize else centred
+    if turns is None:
+        if mask is None:
+            return (episode + omega * step[:, 0]).to(rewards.dtype)
+        turns = torch.where(mask > 0, 0, -1)
     idx = turns.clamp(min=0)
     out = episode[:, None] + omega * step.gather(1, idx.clamp(max=max(k_max - 1, 0)))
     return (out * (turns >= 0)).to(rewards.dtype)
 
 
 @register(advantage_estimators, "tree_grpo")
-def tree_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, trees: torch.Tensor,
-              eps: float = 1e-6) -> torch.Tensor:
+def tree_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
+              trees: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """Tree-GRPO (Ji et al., arXiv 2509.21240): rollouts as trees that branch at turn
     boundaries (rollout.tree_branches); each leaf's advantage adds the intra-tree and the
     inter-tree (whole group) GRPO advantages:
@@ -298,6 +310,8 @@ def tree_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, trees: torch.Te
     step-level preference signal from the tree structure).
     """
     r = rewards.double()
+    if trees is None:  # one tree per group (no tree rollouts): twice GRPO
+        trees = torch.zeros_like(group_ids)
     mean_g, std_g = group_stats(r, group_ids)
     key = torch.unique(torch.stack([group_ids, trees], 1), dim=0, return_inverse=True)[1]
     mean_t, std_t = group_stats(r, key)
