@@ -20,7 +20,8 @@ from rollwise.algos import (
 from rollwise.config import Config
 from rollwise.control import Controller, PosteriorBook, UniformSampler, make_allocator
 from rollwise.engine.base import Engine, RequestEngine, SamplingParams
-from rollwise.evaluate import Evaluator
+from rollwise.envs.render import TurnRenderer
+from rollwise.evaluate import EpisodeEvaluator, Evaluator
 from rollwise.learner import Learner
 from rollwise.models import Policy, load_policy
 from rollwise.precision import ModelShapes, PrecisionChoice
@@ -28,6 +29,7 @@ from rollwise.precision import resolve as resolve_precision
 from rollwise.rewards import RewardPool, RewardSpec, get_verifier
 from rollwise.rewards.group import GroupTerm, get_group_reward, is_group_term
 from rollwise.rollout import RolloutScheduler, RolloutStage
+from rollwise.rollout.episodes import EpisodeRunner, keep_env_rewards
 from rollwise.runtime import configure as configure_runtime
 from rollwise.stages import Stages, encode_prompts
 from rollwise.tasks import Task, make_task
@@ -60,10 +62,8 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None,
     check_config(cfg)  # names and devices, before the model loads
     configure_runtime(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
-    chat = cfg.model.name != "tiny"
     t = cfg.task
-    task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
-                     chat=chat, path=t.path, **t.options)
+    task = build_task(cfg)
     _check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
     specs = reward_specs(cfg, task, rewards)
     # Verifier worker processes are forked before the model exists: forked later, each would
@@ -79,20 +79,26 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None,
     eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
     precision = _precision(cfg, policy)
-    rollout_stage = build_rollout_stage(cfg, policy, precision, train_pool.score)
+    rollout_stage = build_rollout_stage(cfg, policy, precision, train_pool.score, task=task)
     engine = rollout_stage.engine
     group_terms = _group_terms(cfg, rewards or {})
     learner = build_learner(cfg, policy, precision)
+    eval_engine = _build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens,
+                                precision.rollout, weights_from=engine)
     evaluator = Evaluator(
-        engine=_build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens,
-                             precision.rollout, weights_from=engine),
+        engine=eval_engine,
         prompts=eval_prompts,
         pool=eval_pool,
         decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
         temperature=r.temperature or 1.0, chunk=e.batch_size)
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
     control = _build_control(cfg, sampler)
-    rollout_stage.fetch = control.extra
+    if task.env is None:
+        rollout_stage.fetch = control.extra
+    else:  # multi-turn episodes: one greedy episode per held-out prompt (docs/agents.md)
+        evaluator = EpisodeEvaluator(_episode_runner(cfg, eval_engine, rollout_stage.sampling,
+                                                     policy, task, tree=False),
+                                     eval_prompts, eval_max, chunk=e.batch_size)
     return Stages(
         policy=policy, task=task, sampler=sampler, control=control,
         rollout_stage=rollout_stage,
@@ -108,6 +114,13 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None,
     )
 
 
+def build_task(cfg: Config) -> Task:
+    """The task's seeded splits (and environment); chat prompts for instruction models."""
+    t = cfg.task
+    return make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
+                     chat=cfg.model.name != "tiny", path=t.path, **t.options)
+
+
 def reward_specs(cfg: Config, task: Task,
                  rewards: dict[str, tuple[Callable, float]] | None = None) -> list[RewardSpec]:
     """The verifiers of task.rewards (group terms apart), then the caller's own."""
@@ -118,14 +131,19 @@ def reward_specs(cfg: Config, task: Task,
 
 
 def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
-                        scorer: Callable, fetch: Callable | None = None) -> RolloutStage:
+                        scorer: Callable, fetch: Callable | None = None,
+                        task: Task | None = None) -> RolloutStage:
     """The rollout engine, its scheduler and the stage around them (the local driver's,
-    or a Ray rollout worker's); `scorer` scores trajectories in place."""
+    or a Ray rollout worker's); `scorer` scores trajectories in place. A `task` with an
+    environment rolls out multi-turn episodes, scored by the environment."""
     r = cfg.rollout
     engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
                            precision.rollout, spec_tokens=r.spec_tokens)
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, max_tokens=r.max_tokens)
+    if task is not None and task.env is not None:
+        return RolloutStage(engine, sampling, policy.decode, keep_env_rewards,
+                            episodes=_episode_runner(cfg, engine, sampling, policy, task))
     return RolloutStage(engine, sampling, policy.decode, scorer,
                         scheduler=_build_scheduler(cfg, engine, sampling, policy.decode),
                         fetch=fetch)
@@ -220,6 +238,31 @@ def _build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
         engine, sampling, decode, strategy=r.strategy, over_provision=r.over_provision,
         max_staleness=r.max_staleness, chunk_tokens=r.chunk_tokens, spec_group=r.spec_group,
         spec_reuse=r.spec_reuse, reuse_rule=r.reuse_rule, lenience=r.lenience,
+        seed=cfg.run.seed)
+
+
+def _episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, policy: Policy,
+                    task: Task, tree: bool = True) -> EpisodeRunner:
+    """The episode runner of a task with an environment (native engine only); `tree`
+    False: no tree branching (evaluation runs one episode per prompt)."""
+    from rollwise.config import ConfigError
+
+    r = cfg.rollout
+    if not isinstance(engine, RequestEngine):
+        raise ConfigError(f"task '{task.name}' rolls out multi-turn episodes, which need the "
+                          "native engine (rollout.engine = 'native' and a supported model)")
+    single_turn = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
+        "sync", "continuous"), "rollout.spec_group": r.spec_group,
+        "rollout.spec_reuse": r.spec_reuse}.items() if on]
+    if single_turn:
+        raise ConfigError(f"{', '.join(single_turn)} applies to single-turn tasks; task "
+                          f"'{task.name}' runs episodes with continuous batching")
+    return EpisodeRunner(
+        engine, sampling, task.env, TurnRenderer(policy.tokenizer, policy.chat, policy.stop_ids),
+        policy.decode, max_turns=r.max_turns,
+        max_context=min(r.max_episode_tokens, policy.max_context),
+        env_timeout_s=r.env_timeout_s, branches=r.tree_branches if tree else 1,
+        depth=r.tree_depth,
         seed=cfg.run.seed)
 
 

@@ -102,7 +102,8 @@ class ModelConfig(_Section):
 
 class TaskConfig(_Section):
     name: str = Field(
-        "arith", description="'arith', 'arith_chain', 'arith_mix', 'countdown' or 'file'."
+        "arith", description="'arith', 'arith_chain', 'arith_mix', 'countdown', 'file'; with an "
+        "environment (multi-turn, docs/agents.md): 'calc_tool', 'lookup', 'guess'."
     )
     num_train: int = Field(2000, ge=1, description="Training prompts generated (or read).")
     num_eval: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
@@ -181,6 +182,21 @@ class RolloutConfig(_Section):
     worker_cpus: float = Field(
         1.0, gt=0, description="run.backend 'ray': CPUs Ray reserves for each rollout worker "
         "(the learner actor reserves 1).")
+    # multi-turn episodes: tasks with an environment (calc_tool, lookup, guess; docs/agents.md)
+    max_turns: int = Field(
+        4, ge=1, description="Environment tasks: policy turns per episode at most "
+        "(max_tokens is each turn's budget).")
+    max_episode_tokens: int = Field(
+        1024, ge=2, description="Environment tasks: an episode's prompt + turns + observations "
+        "at most; an episode that would exceed it ends.")
+    env_timeout_s: float = Field(
+        10.0, gt=0, description="Environment tasks: time limit of one env step; an env that "
+        "overruns it (or raises) ends its episode with reward 0 and the error recorded.")
+    tree_branches: int = Field(
+        1, ge=1, description="Tree rollouts (Tree-GRPO): each episode forks into this many "
+        "after each of the first tree_depth turns (1: no tree); group_size must be a "
+        "multiple of tree_branches ** tree_depth.")
+    tree_depth: int = Field(1, ge=1, description="Tree rollouts: turns after which to fork.")
 
 
 class AlgorithmConfig(_Section):
@@ -188,7 +204,7 @@ class AlgorithmConfig(_Section):
 
     advantage: str = Field(
         "grpo", description="Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, "
-        "reinforce_pp_baseline, mc_grpo, drpo, pass_at_k.")
+        "reinforce_pp_baseline, mc_grpo, drpo, pass_at_k; multi-turn: gigpo, tree_grpo.")
     advantage_options: dict[str, Any] = Field(
         default_factory=dict, description="Estimator options, e.g. { k = 4 } for pass_at_k.")
     loss: str = Field("ppo", description="Policy loss: ppo, gspo or cispo.")

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import comb
+from typing import Any
 
 from rollwise.engine.base import Engine, SamplingParams
 from rollwise.observe import progress_bar
@@ -73,3 +74,31 @@ class Evaluator:
         scores = [pass_at_k(len(g.trajectories), sum(r >= 1.0 for r in g.rewards), self.pass_k)
                   for g in groups]
         return sum(scores) / len(scores)
+
+
+@dataclass
+class EpisodeEvaluator:
+    """Held-out success of a task with an environment: one greedy episode per prompt
+    through an episode runner (rollout/episodes.py); accuracy is the share solved."""
+
+    runner: Any  # EpisodeRunner over the evaluation engine
+    prompts: list[EncodedPrompt]
+    max_tokens: int
+    chunk: int = 64
+
+    def __call__(self) -> dict[str, float]:
+        start = time.perf_counter()
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens)
+        trajs = []
+        with progress_bar(len(self.prompts), "evaluating (episodes)") as bar:
+            for i in range(0, len(self.prompts), self.chunk):
+                part = self.prompts[i: i + self.chunk]
+                groups, _, _ = self.runner.run(part, [1] * len(part), params)
+                trajs += [t for g in groups for t in g.trajectories]
+                bar.advance(len(part))
+        return {"accuracy": sum(t.correct for t in trajs) / len(trajs),
+                "num_prompts": float(len(trajs)),
+                "mean_response_len": sum(sum(t.sampled_mask) for t in trajs) / len(trajs),
+                "mean_turns": sum(t.num_turns for t in trajs) / len(trajs),
+                "mean_reward": sum(t.reward for t in trajs) / len(trajs),
+                "seconds": time.perf_counter() - start}

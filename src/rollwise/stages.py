@@ -33,7 +33,7 @@ class Stages:
     control: Controller  # the rollout allocator: which prompts, how many rollouts each
     rollout_stage: RolloutStage  # rollouts and their scoring (the reward pool's `score`)
     learner: Learner
-    evaluator: Evaluator
+    evaluator: Evaluator  # or EpisodeEvaluator (tasks with an environment)
     advantage_fn: Callable
     advantage_options: dict[str, Any] = field(default_factory=dict)
     group_rewards: list[GroupTerm] = field(default_factory=list)  # after the verifiers

@@ -60,10 +60,30 @@ class Trajectory:
     scores: dict[str, float] = field(default_factory=dict)  # reward term name -> its score
     reward_errors: list[str] = field(default_factory=list)  # "term: what happened"
     timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. {"rollout": .., "reward": ..}
+    # Multi-turn episodes (docs/agents.md): `response_ids` holds every token after the
+    # prompt, the policy's turns and the environment's observations between them, in order.
+    # A single-turn rollout is the one-turn case: loss_mask None (every token sampled).
+    loss_mask: list[int] | None = None  # [T] 1 sampled by the policy (trained), 0 inserted
+    # by the environment (masked out of the loss; its logprobs are 0, versions the turn's)
+    turns: list[tuple[int, int]] = field(default_factory=list)  # [K] (start, end) of each
+    # policy turn's tokens in response_ids; [] for a single-turn rollout
+    turn_rewards: list[float] = field(default_factory=list)  # [K] env reward after turn k
+    turn_states: list[str] = field(default_factory=list)  # [K] env state each turn acted in
+    # (GiGPO's anchor states: equal strings are the same state)
+    tree: int = 0  # Tree-GRPO: which tree of its group the trajectory is a leaf of
 
     @property
     def num_tokens(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def sampled_mask(self) -> list[int]:
+        """[T] 1 where the policy sampled the token (all of a single-turn response)."""
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
+
+    @property
+    def num_turns(self) -> int:
+        return max(1, len(self.turns))
 
     @property
     def correct(self) -> bool:

@@ -8,6 +8,14 @@ return [N]. Token-level ones return [N, T] and take what else they need by keywo
     lengths [N]           response lengths in tokens
     token_rewards [N, T]  per-token rewards, e.g. -beta * KL_t when the KL is in the reward
 
+and, for multi-turn episodes (docs/agents.md):
+
+    turns [N, T]          long, the policy turn each sampled token belongs to (-1 elsewhere)
+    step_rewards [N, K]   the environment's reward after each turn (0 past a row's turns)
+    anchors [N, K]        long, id of the state each turn acted in (equal ids: the same
+                          state; -1 past a row's turns)
+    trees [N]             long, Tree-GRPO: which tree of its group each row is a leaf of
+
 The caller passes only the keywords an estimator's signature names. An estimator that
 excludes rows from the gradient altogether (MC-GRPO's pivot) returns a pair
 (advantages, keep [N] bool); the caller drops the rows where keep is False.
@@ -236,6 +244,78 @@ def pass_at_k(rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 4,
         adv[rows] = torch.where(correct[rows], torch.tensor((1 - mean) / s, dtype=torch.float64),
                                 torch.tensor((1 - mean - miss) / s, dtype=torch.float64))
     return adv.to(rewards.dtype)
+
+
+@register(advantage_estimators, "gigpo")
+def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
+          turns: torch.Tensor | None = None, step_rewards: torch.Tensor | None = None,
+          anchors: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+          omega: float = 1.0, gamma: float = 0.95, normalize: bool = True,
+          eps: float = 1e-6) -> torch.Tensor:
+    """GiGPO (Feng et al., arXiv 2505.10978): group-in-group credit for multi-turn agents.
+
+        episode level   A_E(i) = (R_i - mean_g(R)) / (std_g(R) + eps)        (GRPO)
+        step level      returns G_ik = sum_{j >= k} gamma^(j-k) r_ij from turn k on;
+                        steps of one group that acted in the same anchor state s form a
+                        step group S; A_S(i, k) = (G_ik - mean_S(G)) / (std_S(G) + eps)
+                        (0 for a step whose state no other step of the group reached)
+        token t of turn k of row i:  A = A_E(i) + omega * A_S(i, k)
+
+    `normalize` False drops both divisions by the std (the paper's mean-only variant).
+    std is the unbiased one, as in `grpo`. Returns [N, T], 0 off the policy's tokens.
+    Without the multi-turn inputs each row is one turn in one state per group (a
+    single-turn batch): A = A_E + omega * A_S on the `mask`'s tokens, or [N] without it.
+    """
+    r = rewards.double()
+    if step_rewards is None:
+        step_rewards = r[:, None]
+    if anchors is None:
+        anchors = torch.zeros(step_rewards.shape, dtype=torch.long)
+    mean, std = group_stats(r, group_ids)
+    episode = (r - mean) / (std + eps) if normalize else r - mean
+    k_max = step_rewards.shape[1]
+    rets = torch.zeros_like(step_rewards, dtype=torch.float64)
+    running = torch.zeros(len(r), dtype=torch.float64)
+    for k in reversed(range(k_max)):  # [N] discounted return from turn k to the end
+        running = step_rewards[:, k].double() + gamma * running
+        rets[:, k] = running
+    step = torch.zeros_like(rets)
+    valid = anchors >= 0
+    rows, ks = torch.nonzero(valid, as_tuple=True)
+    if len(rows):
+        keys = torch.stack([group_ids[rows], anchors[rows, ks]], 1)  # (group, state)
+        m, s = group_stats(rets[rows, ks], torch.unique(keys, dim=0, return_inverse=True)[1])
+        centred = rets[rows, ks] - m
+        step[rows, ks] = centred / (s + eps) if normalize else centred
+    if turns is None:
+        if mask is None:
+            return (episode + omega * step[:, 0]).to(rewards.dtype)
+        turns = torch.where(mask > 0, 0, -1)
+    idx = turns.clamp(min=0)
+    out = episode[:, None] + omega * step.gather(1, idx.clamp(max=max(k_max - 1, 0)))
+    return (out * (turns >= 0)).to(rewards.dtype)
+
+
+@register(advantage_estimators, "tree_grpo")
+def tree_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
+              trees: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """Tree-GRPO (Ji et al., arXiv 2509.21240): rollouts as trees that branch at turn
+    boundaries (rollout.tree_branches); each leaf's advantage adds the intra-tree and the
+    inter-tree (whole group) GRPO advantages:
+
+        A_i = (R_i - mean_tree(R)) / (std_tree(R) + eps) + (R_i - mean_g(R)) / (std_g(R) + eps)
+
+    Returns [N]. The shared prefix of a tree's leaves is a row segment of each leaf, so a
+    prefix token's total gradient weight is the sum over the leaves below it (the paper's
+    step-level preference signal from the tree structure).
+    """
+    r = rewards.double()
+    if trees is None:  # one tree per group (no tree rollouts): twice GRPO
+        trees = torch.zeros_like(group_ids)
+    mean_g, std_g = group_stats(r, group_ids)
+    key = torch.unique(torch.stack([group_ids, trees], 1), dim=0, return_inverse=True)[1]
+    mean_t, std_t = group_stats(r, key)
+    return ((r - mean_t) / (std_t + eps) + (r - mean_g) / (std_g + eps)).to(rewards.dtype)
 
 
 def call_estimator(fn, rewards: torch.Tensor, group_ids: torch.Tensor,

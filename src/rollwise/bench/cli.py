@@ -101,6 +101,36 @@ def alloc(model: ModelOpt = "tiny", json: JsonOpt = None,
         typer.echo(f"wrote {json} and {page}")
 
 
+@bench_app.command("agents")
+def agents(model: ModelOpt = "tiny", json: JsonOpt = None,
+           seeds: Annotated[int, typer.Option(help="Seeds (sides alternate per seed).")] = 2,
+           steps: Annotated[int, typer.Option(help="Training steps per run.")] = 60,
+           eval_every: Annotated[int, typer.Option(help="Held-out evaluation interval.")] = 5,
+           target: Annotated[float | None, typer.Option(
+               help="Target held-out success (default: target-frac x the best of both).")] = None,
+           target_frac: Annotated[float, typer.Option(help="See --target.")] = 0.9,
+           set_: Annotated[list[str] | None, typer.Option(
+               "--set", help="Config override for every run.")] = None,
+           threads: ThreadsOpt = 1):
+    """Step-level credit: episodes to a target success on the guess game, GiGPO vs GRPO."""
+    from rollwise.bench import agents as ba
+
+    data = ba.run(model, seeds=tuple(range(seeds)), steps=steps, eval_every=eval_every,
+                  target=target, target_frac=target_frac,
+                  extra=[f"run.threads={threads}", *(set_ or [])], progress=_say)
+    print_table(f"GiGPO vs GRPO on guess-the-number: {model}, targets "
+                f"{data['targets_per_seed']}", data["estimators"],
+                ["estimator", "per_seed_episodes_to_target", "per_seed_tokens_to_target",
+                 "per_seed_seconds_to_target", "seeds_reaching_target", "final_success",
+                 "best_success"])
+    typer.echo(f"GRPO episodes / GiGPO episodes to target, per seed: "
+               f"{data['grpo_over_gigpo_episodes']} (median "
+               f"{data['median_grpo_over_gigpo_episodes']})")
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")
+
+
 @bench_app.command("tail")
 def tail(model: ModelOpt = "tiny", json: JsonOpt = None,
          groups: Annotated[int, typer.Option(help="Groups trained per step (target).")] = 32,

@@ -75,12 +75,14 @@ class RemoteScorer:
 
 class RolloutWorker:
     def __init__(self, cfg_data: dict, policy, precision, reward, threads: int):
-        from rollwise.build import build_rollout_stage
+        from rollwise.build import build_rollout_stage, build_task
 
         configure_runtime(threads)
         cfg = _config(cfg_data)
         self.policy = policy
-        self.stage = build_rollout_stage(cfg, policy, precision, RemoteScorer(reward))
+        task = build_task(cfg)  # an environment task rolls out episodes in the worker
+        self.stage = build_rollout_stage(cfg, policy, precision, RemoteScorer(reward),
+                                         task=task if task.env is not None else None)
         self.busy = False
 
     def pid(self) -> int:

@@ -11,7 +11,8 @@ from rollwise.types import Batch, Trajectory
 
 def collate(trajectories: list[Trajectory], advantages: torch.Tensor, group_ids: torch.Tensor,
             pad_id: int) -> Batch:
-    """Right-pad prompt+response rows; response positions carry old log-probs and versions."""
+    """Right-pad prompt+response rows; sampled response positions carry old log-probs and
+    versions and loss mask 1; tokens an environment inserted (multi-turn) get loss mask 0."""
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
     n = len(trajectories)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -23,9 +24,10 @@ def collate(trajectories: list[Trajectory], advantages: torch.Tensor, group_ids:
         p, r = len(t.prompt_ids), len(t.response_ids)
         ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
         attn[i, : p + r] = 1
-        loss_mask[i, p: p + r] = 1
-        old[i, p: p + r] = torch.tensor(t.logprobs, dtype=torch.float32)
-        versions[i, p: p + r] = torch.tensor(t.versions)
+        sampled = torch.tensor(t.sampled_mask, dtype=torch.float32)  # env tokens: 0
+        loss_mask[i, p: p + r] = sampled
+        old[i, p: p + r] = torch.tensor(t.logprobs, dtype=torch.float32) * sampled
+        versions[i, p: p + r] = torch.where(sampled > 0, torch.tensor(t.versions), -1)
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, old_logprobs=old,
                  advantages=advantages.float(), group_ids=group_ids, versions=versions)
 

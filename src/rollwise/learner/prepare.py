@@ -16,7 +16,7 @@ import torch
 
 from rollwise.algos import accepts, call_estimator
 from rollwise.learner.batch import collate, take_rows
-from rollwise.types import Batch, Group
+from rollwise.types import Batch, Group, Trajectory
 
 
 def prepare_batch(groups: list[Group], estimator: Callable, *, pad_id: int,
@@ -39,7 +39,9 @@ def prepare_batch(groups: list[Group], estimator: Callable, *, pad_id: int,
         truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
         batch.loss_mask[truncated] = 0
     inputs = {"mask": batch.loss_mask,
-              "lengths": torch.tensor([t.num_tokens for t in trajs], dtype=torch.float32)}
+              # sampled tokens only (a multi-turn episode's observations are not its length)
+              "lengths": torch.tensor([sum(t.sampled_mask) for t in trajs], dtype=torch.float32)}
+    inputs |= episode_inputs(trajs, batch.loss_mask.shape[1], estimator)
     if reference_kl is not None and kl_coef > 0:
         token_rewards = -kl_coef * reference_kl(batch).float() * batch.loss_mask
         inputs["token_rewards"] = token_rewards
@@ -51,3 +53,37 @@ def prepare_batch(groups: list[Group], estimator: Callable, *, pad_id: int,
         batch = take_rows(batch, torch.nonzero(keep)[:, 0])
     return batch
 
+
+
+def episode_inputs(trajs: list[Trajectory], width: int, estimator: Callable
+                   ) -> dict[str, torch.Tensor]:
+    """The multi-turn inputs (`turns`, `step_rewards`, `anchors`, `trees`) an estimator's
+    signature names, from the trajectories' turn records (algos/advantages.py). A
+    single-turn trajectory is one turn with the whole reward, in its prompt's state."""
+    out: dict[str, torch.Tensor] = {}
+    n = len(trajs)
+    if accepts(estimator, "turns"):
+        turns = torch.full((n, width), -1, dtype=torch.long)
+        for i, t in enumerate(trajs):
+            p = len(t.prompt_ids)
+            for k, (a, b) in enumerate(t.turns or [(0, len(t.response_ids))]):
+                turns[i, p + a: p + b] = k
+        out["turns"] = turns
+    k_max = max((t.num_turns for t in trajs), default=1)
+    if accepts(estimator, "step_rewards"):
+        rewards = torch.zeros((n, k_max), dtype=torch.float64)
+        for i, t in enumerate(trajs):
+            rewards[i, : t.num_turns] = torch.tensor(t.turn_rewards or [t.reward],
+                                                     dtype=torch.float64)
+        out["step_rewards"] = rewards
+    if accepts(estimator, "anchors"):
+        ids: dict[str, int] = {}
+        anchors = torch.full((n, k_max), -1, dtype=torch.long)
+        for i, t in enumerate(trajs):
+            states = t.turn_states or [str(t.prompt_ids)]
+            anchors[i, : len(states)] = torch.tensor([ids.setdefault(s, len(ids))
+                                                      for s in states])
+        out["anchors"] = anchors
+    if accepts(estimator, "trees"):
+        out["trees"] = torch.tensor([t.tree for t in trajs], dtype=torch.long)
+    return out

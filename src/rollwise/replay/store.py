@@ -53,6 +53,19 @@ CREATE TABLE IF NOT EXISTS trajectories (
     reward_info   TEXT NOT NULL,     -- JSON object
     timings       TEXT NOT NULL      -- JSON object
 );
+-- multi-turn trajectories only (rows of single-turn ones are absent): which response
+-- tokens the environment inserted, and the turn records (docs/agents.md)
+CREATE TABLE IF NOT EXISTS episodes (
+    step          INTEGER NOT NULL,
+    group_idx     INTEGER NOT NULL,
+    traj_idx      INTEGER NOT NULL,
+    loss_mask     BLOB NOT NULL,     -- int32 LE [T]: 1 sampled, 0 inserted
+    turns         TEXT NOT NULL,     -- JSON [[start, end], ...]
+    turn_rewards  TEXT NOT NULL,     -- JSON [K]
+    turn_states   TEXT NOT NULL,     -- JSON [K]
+    tree          INTEGER NOT NULL,
+    PRIMARY KEY (step, group_idx, traj_idx)
+);
 CREATE INDEX IF NOT EXISTS traj_step ON trajectories(step, group_idx, traj_idx);
 CREATE INDEX IF NOT EXISTS traj_sample ON trajectories(sample_id, step);
 """
@@ -133,6 +146,7 @@ class TrajectoryStore:
         """
         sample_rows: dict[str, tuple] = {}
         traj_rows: list[tuple] = []
+        episode_rows: list[tuple] = []
         with self._lock:
             first = self._conn.execute(
                 "SELECT COALESCE(MAX(group_idx) + 1, 0) FROM trajectories WHERE step = ?", (step,)
@@ -148,6 +162,11 @@ class TrajectoryStore:
                         _dumps(s.meta),
                     )
                     traj_rows.append(self._traj_row(step, first + g_off, t_idx, traj))
+                    if traj.loss_mask is not None:
+                        episode_rows.append((
+                            step, first + g_off, t_idx, _pack(traj.loss_mask, "i"),
+                            _dumps(traj.turns), _dumps(traj.turn_rewards),
+                            _dumps(traj.turn_states), traj.tree))
             with self._conn:
                 self._conn.executemany(
                     "INSERT OR REPLACE INTO samples VALUES (?, ?, ?, ?, ?)", sample_rows.values()
@@ -158,6 +177,9 @@ class TrajectoryStore:
                     " reward_info, timings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     traj_rows,
                 )
+                self._conn.executemany(
+                    "INSERT OR REPLACE INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    episode_rows)
 
     @staticmethod
     def _traj_row(step: int, group_idx: int, traj_idx: int, t: Trajectory) -> tuple:
@@ -189,6 +211,7 @@ class TrajectoryStore:
         """Drop the trajectories of steps > `step` (resume from a checkpoint); return the count."""
         with self._lock, self._conn:
             cur = self._conn.execute("DELETE FROM trajectories WHERE step > ?", (step,))
+            self._conn.execute("DELETE FROM episodes WHERE step > ?", (step,))
             return cur.rowcount
 
     # -- reading ---------------------------------------------------------------------------
@@ -264,8 +287,11 @@ class TrajectoryStore:
         rows = self._query(
             "SELECT t.group_idx, t.sample_id, t.prompt_ids, t.response_ids, t.logprobs,"
             " t.versions, t.finish_reason, t.text, t.reward, t.reward_info, t.timings,"
-            " s.prompt, s.answer, s.reference, s.meta"
+            " s.prompt, s.answer, s.reference, s.meta,"
+            " e.loss_mask, e.turns, e.turn_rewards, e.turn_states, e.tree"
             " FROM trajectories t JOIN samples s ON s.sample_id = t.sample_id"
+            " LEFT JOIN episodes e ON e.step = t.step AND e.group_idx = t.group_idx"
+            " AND e.traj_idx = t.traj_idx"
             " WHERE t.step = ? ORDER BY t.group_idx, t.traj_idx",
             (step,),
         )
@@ -287,6 +313,7 @@ class TrajectoryStore:
             answer,
             reference,
             meta,
+            *episode,
         ) in rows:
             if sid not in samples:
                 samples[sid] = self._sample(sid, prompt, answer, reference, meta)
@@ -303,6 +330,11 @@ class TrajectoryStore:
                            Trajectory.split_reward_info(json.loads(info)), strict=True)),
                 timings=json.loads(timings),
             )
+            if episode[0] is not None:  # a multi-turn trajectory's layout
+                traj.loss_mask = _unpack(episode[0], "i")
+                traj.turns = [tuple(x) for x in json.loads(episode[1])]
+                traj.turn_rewards, traj.turn_states = json.loads(episode[2]), json.loads(episode[3])
+                traj.tree = episode[4]
             out.append((g_idx, traj))
         return out
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from rollwise.engine.base import Engine, SamplingParams
 from rollwise.rewards.pool import RewardStats
+from rollwise.rollout.episodes import EpisodeFigures, EpisodeRunner
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scheduler import RolloutScheduler
 from rollwise.types import EncodedPrompt, Group, Trajectory
@@ -39,15 +40,20 @@ def generate_groups(engine: Engine, prompts: list[EncodedPrompt], params: Sampli
 
 class RolloutStage:
     """Both rollout paths and the scoring overlap. `fetch(k)`: k more prompts for partial
-    rollouts' over-provisioning (scheduler path only)."""
+    rollouts' over-provisioning (scheduler path only). `episodes`: tasks with an
+    environment roll out multi-turn episodes through it instead (rollout/episodes.py; the
+    environment scores them, so `scorer` is then `keep_env_rewards`)."""
 
     def __init__(self, engine: Engine, sampling: SamplingParams,
                  decode: Callable[[list[int]], str], scorer: Scorer, *,
                  scheduler: RolloutScheduler | None = None,
-                 fetch: Callable[[int], list[EncodedPrompt]] | None = None):
+                 fetch: Callable[[int], list[EncodedPrompt]] | None = None,
+                 episodes: EpisodeRunner | None = None):
         self.engine, self.sampling, self.decode = engine, sampling, decode
         self.scorer, self.scheduler, self.fetch = scorer, scheduler, fetch
+        self.episodes = episodes
         self._figures: list[RolloutFigures] = []  # this step's rounds
+        self._episode_figures: list[EpisodeFigures] = []
         # (group, its scoring) in the order they completed; held by the group itself, not
         # its id(), so a dropped group's address reused by a new one cannot match
         self._scoring: list[tuple[Group, Future]] = []
@@ -57,6 +63,11 @@ class RolloutStage:
         """Groups for `prompts` (`sizes[i]` samples for prompt i). The scheduler's strategy
         decides which come back (partial: possibly pooled groups of earlier steps in place
         of some asked for); plain generation makes one call per distinct size, in order."""
+        if self.episodes is not None:
+            groups, figures, counts = self.episodes.run(prompts, sizes)
+            self._figures.append(figures)
+            self._episode_figures.append(counts)
+            return groups
         if self.scheduler is not None:
             report = self.scheduler.run(prompts, self.fetch, sizes=sizes,
                                         on_group=self._score_later)
@@ -99,7 +110,9 @@ class RolloutStage:
     def metrics(self) -> dict[str, float]:
         """The scheduler's figures over this step's rounds ({} on the plain path); resets."""
         rounds, self._figures = self._figures, []
-        return sum(rounds, RolloutFigures()).metrics() if rounds else {}
+        episodes, self._episode_figures = self._episode_figures, []
+        out = sum(rounds, RolloutFigures()).metrics() if rounds else {}
+        return out | (sum(episodes, EpisodeFigures()).metrics() if episodes else {})
 
     def take_figures(self) -> list[RolloutFigures]:
         """The scheduler's figures of this step's rounds, as records that add (a driver

@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from rollwise.envs.tasks import build_calc_tool, build_guess, build_lookup
 from rollwise.registry import Registry, unknown_name_error
 from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
 from rollwise.tasks.base import Task, TaskSetup
@@ -22,6 +23,10 @@ TASKS: Registry[Callable[..., Task]] = Registry("task", takes=("setup",))
 for _name, _builder in {"arith": build_arith, "arith_chain": build_arith_chain,
                         "arith_mix": build_arith_mix, "countdown": build_countdown,
                         "file": build_file}.items():
+    TASKS.register(_name)(_builder)
+# multi-turn environment tasks (rollwise.envs.tasks; docs/agents.md)
+for _name, _builder in {"calc_tool": build_calc_tool, "lookup": build_lookup,
+                        "guess": build_guess}.items():
     TASKS.register(_name)(_builder)
 
 
@@ -54,7 +59,7 @@ def make_task(
     >>> make_task("arithh")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file, or "package.module:function"
+    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, calc_tool, countdown, file, guess, lookup, or "package.module:function"
     """
     accepted = task_options(name)
     if path is not None:

@@ -16,6 +16,7 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rollwise.types import Prompt, Sample
 
@@ -57,6 +58,8 @@ class Task:
     train: list[Sample]  # training prompts
     eval: list[Sample]  # held-out prompts; no prompt text is shared with train
     verifier: Callable[[str, Sample], float]  # (completion, sample) -> 1.0 correct / 0.0
+    # multi-turn tasks: a fresh environment per episode (rollwise.envs); None: single turn
+    env: Callable[[], Any] | None = None
 
 
 def as_prompt(text: str, chat: bool) -> Prompt:
