@@ -14,6 +14,7 @@ from typing import Any
 from rollwise.registry import Registry, unknown_name_error
 from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
 from rollwise.tasks.base import Task, TaskSetup
+from rollwise.tasks.code import build_humaneval, build_pycode
 from rollwise.tasks.countdown import build_countdown
 from rollwise.tasks.files import DatasetError, build_file, load_samples
 from rollwise.tasks.rgym import build_reasoning_gym
@@ -22,7 +23,8 @@ from rollwise.tasks.rgym import build_reasoning_gym
 TASKS: Registry[Callable[..., Task]] = Registry("task", takes=("setup",))
 for _name, _builder in {"arith": build_arith, "arith_chain": build_arith_chain,
                         "arith_mix": build_arith_mix, "countdown": build_countdown,
-                        "file": build_file, "reasoning_gym": build_reasoning_gym}.items():
+                        "file": build_file, "reasoning_gym": build_reasoning_gym,
+                        "humaneval": build_humaneval, "pycode": build_pycode}.items():
     TASKS.register(_name)(_builder)
 
 
@@ -55,7 +57,7 @@ def make_task(
     >>> make_task("arithh")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file, reasoning_gym, or "package.module:function"
+    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file, humaneval, pycode, reasoning_gym, or "package.module:function"
     """
     accepted = task_options(name)
     if path is not None:
