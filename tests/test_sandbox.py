@@ -44,9 +44,10 @@ LEVELS = _levels()
 
 
 def _contained(level: str) -> bool:
-    """Whether this level stops same-user harm (files, signals, /proc, network): the
-    namespaces do; limits alone do only when running as root (the runner drops to nobody)."""
-    return level != "rlimits" or ROOT
+    """Whether this level stops same-user harm (files, signals, /proc, network): bwrap does
+    (read-only file system, own /proc and network); unshare and limits alone do only when
+    running as root (the runner drops to nobody); docs/rewards.md has the table."""
+    return level == "bwrap" or ROOT
 
 
 def _sandbox_processes() -> list[psutil.Process]:
@@ -115,7 +116,7 @@ def test_resource_attacks_are_contained(case, level) -> None:
 @pytest.mark.parametrize("level", LEVELS)
 def test_writes_outside_the_workdir_fail(level, tmp_path) -> None:
     if not _contained(level):
-        pytest.skip("limits alone do not stop writes as the same user (docs/rewards.md)")
+        pytest.skip("without bwrap, writes as the same user are not stopped (docs/rewards.md)")
     home_file = Path.home() / "rollwise_sandbox_pwned.txt"
     repo_file = REPO / "rollwise_sandbox_pwned.txt"
     victim = tmp_path / "keep.txt"
@@ -150,7 +151,7 @@ def test_writes_outside_the_workdir_fail(level, tmp_path) -> None:
 @pytest.mark.parametrize("level", LEVELS)
 def test_secrets_signals_and_network_stay_out(level, monkeypatch) -> None:
     if not _contained(level):
-        pytest.skip("limits alone do not stop same-user /proc reads, signals or sockets")
+        pytest.skip("without bwrap, same-user /proc reads and signals are not stopped")
     monkeypatch.setenv("ROLLWISE_FAKE_SECRET", SECRET)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

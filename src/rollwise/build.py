@@ -63,14 +63,17 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
     task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
                      chat=chat, path=t.path, **t.options)
     _check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
-    specs = [RewardSpec(name, task.verifier if name == CORRECT else get_verifier(name), w)
+    judge = _judge(cfg) if "judge" in t.rewards else None  # preflight: fails fast, with the URL
+    specs = [RewardSpec(name, task.verifier if name == CORRECT else
+                        judge if name == "judge" else get_verifier(name), w)
              for name, w in t.rewards.items() if name not in GROUP_REWARDS]
     specs += [RewardSpec(name, fn, w) for name, (fn, w) in (rewards or {}).items()]
     # Verifier worker processes are forked before the model exists: forked later, each would
     # keep a copy-on-write copy of every page training then writes (weights, KV cache).
-    train_pool = RewardPool(specs, timeout_s=t.reward_timeout_s).start()
+    timeout_s = max(t.reward_timeout_s, task.reward_timeout_s or 0.0)  # code: a retried run
+    train_pool = RewardPool(specs, timeout_s=timeout_s).start()
     eval_pool = RewardPool([RewardSpec("correct", task.verifier)],
-                           timeout_s=t.reward_timeout_s).start()
+                           timeout_s=timeout_s).start()
     policy = build_policy(cfg, task)
     r, e, a, lc = cfg.rollout, cfg.eval, cfg.algorithm, cfg.learner
     train_prompts, skipped = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
@@ -123,8 +126,19 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
               "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
               "parameters": sum(p.numel() for p in policy.model.parameters()),
               "trainable_parameters": sum(p.numel() for p in learner.params),
-              "precision": precision.record(), "precision_line": precision.line()},
+              "precision": precision.record(), "precision_line": precision.line(),
+              **task.info},
     )
+
+
+def _judge(cfg: Config):
+    """The LLM judge of [judge], checked with one request now (before the model loads)."""
+    from rollwise.rewards.judge import make_judge
+
+    options = cfg.judge.model_dump()
+    if options["prompt"] is None:
+        del options["prompt"]
+    return make_judge(options)
 
 
 def _precision(cfg: Config, policy: Policy) -> PrecisionChoice:

@@ -172,6 +172,12 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
                   f"{root if resume is not None else Path(cfg.run.output_dir)}", highlight=False)
     stages = build(cfg)
     console.print(stages.info["precision_line"], highlight=False, soft_wrap=True)
+    if "sandbox" in stages.info:  # code tasks: what isolates model-written code here
+        box = stages.info["sandbox"]
+        console.print(f"sandbox: {box['isolation']}"
+                      + ("" if box["security_boundary"] else " (limits only: NOT a security "
+                         "boundary, docs/rewards.md)"), highlight=False,
+                      style=None if box["security_boundary"] else "yellow")
     if lock is None:
         root, lock = _claim_run_dir(cfg)
     loggers = make_loggers(cfg.run.loggers, root, cfg.run.name, cfg.model_dump(),

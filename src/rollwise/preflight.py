@@ -49,7 +49,7 @@ def _check_rewards(cfg: Config) -> None:
 
     t = cfg.task
     for name in t.rewards:  # the task's own verifier, a group term, or a verifier
-        if name != CORRECT and name not in GROUP_REWARDS:
+        if name != CORRECT and name not in GROUP_REWARDS and name != "judge":
             _known(f"task.rewards.{name}", name, VERIFIERS)
     for name in t.reward_options:
         if name not in GROUP_REWARDS:

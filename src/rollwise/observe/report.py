@@ -107,6 +107,10 @@ def _header(name: str, summary: dict[str, Any], train: list[dict[str, Any]]) -> 
         steps = max((number(r, "step") or 0 for r in train), default=None)
     if steps is not None:
         headline.append(f"{int(steps)} steps")
+    failed = sum(number(flat, k) or 0 for k in ("reward_errors", "reward_timeouts",
+                                                 "reward_infra"))
+    if failed:
+        headline.append(f"{int(failed)} reward calls failed (scored 0 or masked)")
     parts = [f"<h1>{escape(name)}</h1>"]
     if headline:
         parts.append(f'<div class="headline">{" &middot; ".join(headline)}</div>')

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollwise.types import Prompt, Sample
 
@@ -44,6 +44,9 @@ class Task:
     train: list[Sample]  # training prompts
     eval: list[Sample]  # held-out prompts; no prompt text is shared with train
     verifier: Callable[[str, Sample], float]  # (completion, sample) -> 1.0 correct / 0.0
+    # the least per-call verifier time limit the task needs (code tasks: a retried sandbox run)
+    reward_timeout_s: float | None = None
+    info: dict = field(default_factory=dict)  # recorded in summary.json (e.g. the sandbox)
 
 
 def as_prompt(text: str, chat: bool) -> Prompt:

@@ -16,18 +16,27 @@ What the sandbox did (a time-out, a crash, a failing test) is recorded with the 
 error); an infrastructure failure raises `InfraError` (retried once, then masked).
 
 Options of both: ``sandbox = { cpu_s = 2, wall_s = 4, memory_mb = 1024, ... }`` (the fields of
-`SandboxLimits`) and ``isolation = "auto"`` ("bwrap", "unshare" or "rlimits" to force one).
+`SandboxLimits`), ``isolation = "auto"`` ("bwrap", "unshare" or "rlimits" to force one) and
+``max_concurrent = 2`` (executions at once across all reward workers). The reward pool's
+time limit is raised to cover a retried execution (2 x wall_s + 5 s).
 """
 
 from __future__ import annotations
 
 import random
 import re
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
 from rollwise.rewards.pool import Scored
-from rollwise.rewards.sandbox import SandboxLimits, detect_isolation, execute
+from rollwise.rewards.sandbox import (
+    SandboxLimits,
+    detect_isolation,
+    execute,
+    isolation_info,
+    set_max_concurrent,
+)
 from rollwise.tasks.base import DEFAULT_SETUP, Task, TaskSetup, as_prompt, draw_split
 from rollwise.types import Sample
 
@@ -69,14 +78,23 @@ def code_verifier(completion: str, sample: Sample, *, limits: SandboxLimits,
     return Scored(result.score, note)
 
 
-def _limits(sandbox: dict[str, Any] | None, isolation: str) -> tuple[SandboxLimits, str | None]:
+def _limits(sandbox: dict[str, Any] | None, isolation: str, max_concurrent: int
+            ) -> tuple[SandboxLimits, str]:
     try:
         limits = SandboxLimits(**(sandbox or {}))
     except TypeError as err:
         fields = ", ".join(SandboxLimits.__dataclass_fields__)
         raise ValueError(f"option sandbox: {err}; accepted: {fields}") from None
     level = detect_isolation(isolation)
+    set_max_concurrent(max_concurrent)  # before the reward workers fork
     return limits, level
+
+
+def _code_task(name: str, train: list[Sample], eval_: list[Sample], limits: SandboxLimits,
+               level: str, max_concurrent: int) -> Task:
+    info = {**isolation_info(level), "limits": asdict(limits), "max_concurrent": max_concurrent}
+    return Task(name, train, eval_, partial(code_verifier, limits=limits, isolation=level),
+                reward_timeout_s=2 * limits.wall_s + 5.0, info={"sandbox": info})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +105,7 @@ def build_humaneval(
     *,
     sandbox: dict[str, Any] | None = None,
     isolation: str = "auto",
+    max_concurrent: int = 2,
     style: str = "chat",
 ) -> Task:
     """HumanEval's 164 problems as the eval split (the first num_eval of them, in order).
@@ -100,7 +119,7 @@ def build_humaneval(
 
     if style not in ("chat", "complete"):
         raise ValueError(f"option style={style!r}: expected chat or complete")
-    limits, level = _limits(sandbox, isolation)
+    limits, level = _limits(sandbox, isolation, max_concurrent)
     problems = list(read_problems().values())
     samples = []
     for i, p in enumerate(problems):
@@ -117,8 +136,7 @@ def build_humaneval(
                   "code_prompt": p["prompt"], "task_id": p["task_id"]}))
     eval_ = samples[: setup.num_eval]
     train = samples[setup.num_eval: setup.num_eval + setup.num_train]
-    return Task("humaneval", train, eval_, partial(code_verifier, limits=limits,
-                                                     isolation=level))
+    return _code_task("humaneval", train, eval_, limits, level, max_concurrent)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +230,7 @@ def build_pycode(
     num_tests: int = 5,
     sandbox: dict[str, Any] | None = None,
     isolation: str = "auto",
+    max_concurrent: int = 2,
 ) -> Task:
     """Procedural small-function tasks (see `_TEMPLATES` for the kinds); `templates` limits
     the kinds (default all).
@@ -230,7 +249,7 @@ def build_pycode(
             raise unknown_name_error("pycode template", name, names)
     if not isinstance(num_tests, int) or not 1 <= num_tests <= 50:
         raise ValueError(f"option num_tests={num_tests!r}: expected an integer from 1 to 50")
-    limits, level = _limits(sandbox, isolation)
+    limits, level = _limits(sandbox, isolation, max_concurrent)
     draw = partial(_draw_pycode, names=chosen, num_tests=num_tests)
     train, eval_ = draw_split(draw, name="pycode", setup=setup, unique=True)
-    return Task("pycode", train, eval_, partial(code_verifier, limits=limits, isolation=level))
+    return _code_task("pycode", train, eval_, limits, level, max_concurrent)
