@@ -7,6 +7,8 @@ part it builds takes plain arguments.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -72,7 +74,13 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
     # keep a copy-on-write copy of every page training then writes (weights, KV cache).
     timeout_s = max(t.reward_timeout_s, task.reward_timeout_s or 0.0)  # code: a retried run
     train_pool = RewardPool(specs, timeout_s=timeout_s).start()
-    eval_pool = RewardPool([RewardSpec("correct", task.verifier)],
+    extra = _eval_tasks(cfg, chat)  # eval.tasks: (label, Task), built before the pools fork
+    eval_verify = task.verifier
+    if extra:
+        verifiers = {task.name: task.verifier, **{label: x.verifier for label, x in extra}}
+        eval_verify = partial(_verify_by_task, verifiers=verifiers)
+        timeout_s = max([timeout_s] + [x.reward_timeout_s or 0.0 for _, x in extra])
+    eval_pool = RewardPool([RewardSpec("correct", eval_verify)],
                            timeout_s=timeout_s).start()
     policy = build_policy(cfg, task)
     r, e, a, lc = cfg.rollout, cfg.eval, cfg.algorithm, cfg.learner
@@ -80,6 +88,10 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
     _check_enough_prompts(len(train_prompts), skipped, r.prompts_per_step)
     eval_max = e.max_tokens or r.max_tokens
     eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
+    if extra:  # every sample labelled with its task, for the per-task figures
+        eval_samples = [replace(s, meta={**s.meta, "eval_task": label})
+                        for label, samples in [(task.name, eval_samples)] +
+                        [(label, x.eval) for label, x in extra] for s in samples]
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
     precision = _precision(cfg, policy)
     engine = _build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
@@ -127,8 +139,34 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None)
               "parameters": sum(p.numel() for p in policy.model.parameters()),
               "trainable_parameters": sum(p.numel() for p in learner.params),
               "precision": precision.record(), "precision_line": precision.line(),
-              **task.info},
+              **{k: v for _, x in extra for k, v in x.info.items()}, **task.info},
     )
+
+
+def _eval_tasks(cfg: Config, chat: bool) -> list[tuple[str, Task]]:
+    """The tasks of eval.tasks (each table: name, num_eval, options, path, label)."""
+    out: list[tuple[str, Task]] = []
+    labels = {cfg.task.name}
+    for i, table in enumerate(cfg.eval.tasks):
+        table = dict(table)
+        unknown = set(table) - {"name", "num_eval", "options", "path", "label"}
+        if "name" not in table or unknown:
+            raise ValueError(f"eval.tasks[{i}]: expected a table with name (and num_eval, "
+                             f"options, path, label); got keys {sorted(table)}")
+        label = str(table.get("label", table["name"]))
+        if label in labels:
+            raise ValueError(f"eval.tasks[{i}]: label {label!r} is taken; give label = '...'")
+        labels.add(label)
+        task = make_task(table["name"], seed=cfg.run.seed, num_train=0,
+                         num_eval=int(table.get("num_eval", cfg.task.num_eval)), chat=chat,
+                         path=table.get("path"), **dict(table.get("options", {})))
+        out.append((label, task))
+    return out
+
+
+def _verify_by_task(completion: str, sample, *, verifiers: dict) -> float:
+    """The verifier of the sample's own evaluation task (eval.tasks)."""
+    return verifiers[sample.meta["eval_task"]](completion, sample)
 
 
 def _judge(cfg: Config):

@@ -240,6 +240,19 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
         console.print(f"evaluating {found[-1]}")
     result = stages.evaluate()
     console.print_json(json.dumps(result))
+    from rich.table import Table
+
+    from rollwise.evaluate import task_table
+
+    rows = task_table(result)
+    table = Table(title="held-out evaluation by task")
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    for c in columns:
+        table.add_column(c, justify="left" if c == "task" else "right")
+    for row in rows:
+        table.add_row(*[f"{row[c]:.3f}" if isinstance(row.get(c), float) and c != "n"
+                        else str(row.get(c, "")) for c in columns])
+    console.print(table)
 
 
 @app.command()

@@ -241,6 +241,10 @@ class EvalConfig(_Section):
     pass_k: int = Field(0, ge=0, description="Also report unbiased pass@k (0: off).")
     pass_samples: int = Field(8, ge=1, description="Samples per prompt for pass@k (n >= k).")
     batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+    tasks: list[dict[str, Any]] = Field(
+        default_factory=list, description="More tasks to evaluate on, besides the training "
+        "task's held-out split, each reported apart: tables { name = 'humaneval', num_eval = "
+        "164, options = {...}, path = ..., label = ... }.")
 
 
 class ControlConfig(_Section):
