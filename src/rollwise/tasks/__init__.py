@@ -18,13 +18,15 @@ from rollwise.tasks.code import build_humaneval, build_pycode
 from rollwise.tasks.countdown import build_countdown
 from rollwise.tasks.files import DatasetError, build_file, load_samples
 from rollwise.tasks.rgym import build_reasoning_gym
+from rollwise.tasks.vf import build_verifiers
 
 # a builder: (TaskSetup, **its own options) -> Task
 TASKS: Registry[Callable[..., Task]] = Registry("task", takes=("setup",))
 for _name, _builder in {"arith": build_arith, "arith_chain": build_arith_chain,
                         "arith_mix": build_arith_mix, "countdown": build_countdown,
                         "file": build_file, "reasoning_gym": build_reasoning_gym,
-                        "humaneval": build_humaneval, "pycode": build_pycode}.items():
+                        "humaneval": build_humaneval, "pycode": build_pycode,
+                        "verifiers": build_verifiers}.items():
     TASKS.register(_name)(_builder)
 
 
@@ -57,7 +59,7 @@ def make_task(
     >>> make_task("arithh")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file, humaneval, pycode, reasoning_gym, or "package.module:function"
+    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, countdown, file, humaneval, pycode, reasoning_gym, verifiers, or "package.module:function"
     """
     accepted = task_options(name)
     if path is not None:
