@@ -49,9 +49,10 @@ def _load(env: str, options: dict[str, Any]):
         raise ValueError(f"option env={env!r}: {type(err).__name__}: {err}") from None
     made = loader(**options)
     taskset = getattr(made, "taskset", made)
-    if not isinstance(taskset, vf.Taskset):  # noqa: TRY004 - a config error, as the rest
-        raise ValueError(f"option env={env!r}: returned {type(made).__name__}, not a verifiers "
-                         f"Taskset (verifiers {VF_VERSION}: verifiers.v1.Taskset)")
+    if not isinstance(taskset, vf.Taskset):
+        raise ValueError(  # noqa: TRY004 - a config error, reported like the others
+            f"option env={env!r}: returned {type(made).__name__}, not a verifiers "
+            f"Taskset (verifiers {VF_VERSION}: verifiers.v1.Taskset)")
     return taskset
 
 
