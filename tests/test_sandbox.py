@@ -290,3 +290,33 @@ def test_killing_its_process_group_does_not_reach_ours() -> None:
     result, _ = _run("import os, signal\ndef f(x):\n    os.killpg(0, signal.SIGKILL)\n",
                      detect_isolation())
     assert result.score == 0.0 and result.status in ("crashed", "cpu_limit")
+
+
+def test_concurrency_slots_bound_executions_and_survive_a_killed_holder(monkeypatch) -> None:
+    import multiprocessing
+
+    monkeypatch.setattr(sb, "_SLOT_FILES", [])
+    sb.set_max_concurrent(1)
+    limits = SandboxLimits(wall_s=0.5)
+    code = "def f(x):\n    return x + 1\n"
+    # the only slot is taken: the execution cannot start
+    with sb._concurrency(1.0), pytest.raises(InfraError, match="no execution slot free within"):
+        execute(code, TESTS, "f", limits, isolation="rlimits")
+    assert execute(code, TESTS, "f", LIMITS, isolation="rlimits").score == 1.0
+    # a holder killed mid-execution (as the reward pool kills a stuck worker) frees its slot
+    ctx = multiprocessing.get_context("fork")
+    taken = ctx.Event()
+
+    def hold():
+        with sb._concurrency(1.0):
+            taken.set()
+            time.sleep(60)
+
+    holder = ctx.Process(target=hold)
+    holder.start()
+    assert taken.wait(10)
+    with pytest.raises(InfraError):
+        execute(code, TESTS, "f", limits, isolation="rlimits")
+    holder.kill()
+    holder.join(5)
+    assert execute(code, TESTS, "f", LIMITS, isolation="rlimits").score == 1.0

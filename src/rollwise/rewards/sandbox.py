@@ -467,7 +467,7 @@ def execute(code: str, tests: str, entry_point: str, limits: SandboxLimits | Non
             isolation: str | None = None, retries: int = 1) -> ExecResult:
     """`run_tests`, retried `retries` times on an infrastructure failure; then InfraError."""
     for attempt in range(retries + 1):
-        with _concurrency():
+        with _concurrency((limits or SandboxLimits()).wall_s):
             result = run_tests(code, tests, entry_point, limits, isolation)
         if not result.infra:
             return result
@@ -478,26 +478,56 @@ def execute(code: str, tests: str, entry_point: str, limits: SandboxLimits | Non
 
 
 # ---------------------------------------------------------------------------------------------
-# Concurrency: a semaphore shared by every forked reward worker of this process tree
+# Concurrency: slots shared by every reward worker forked after `set_max_concurrent`. A slot is
+# an exclusive flock on one of N files: the kernel releases it when its holder dies, so a
+# worker killed mid-execution (the pool's time limit) cannot leak a slot.
 
-_SLOTS = None
+_SLOT_FILES: list[str] = []
 
 
 def set_max_concurrent(n: int) -> None:
-    """Allow at most `n` executions at once across the reward workers forked after this call."""
-    global _SLOTS
-    import multiprocessing
-
-    if n < 1:
-        raise ValueError(f"sandbox max_concurrent={n}: expected >= 1")
-    _SLOTS = multiprocessing.get_context("fork").BoundedSemaphore(n)
+    """Allow at most `n` executions at once across this process and the workers it forks
+    afterwards (the first call in a process decides)."""
+    global _SLOT_FILES
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"sandbox max_concurrent={n!r}: expected an integer >= 1")
+    if _SLOT_FILES:
+        return
+    folder = tempfile.mkdtemp(prefix="rollwise-sbx-slots-")
+    paths = [os.path.join(folder, f"slot{i}") for i in range(n)]
+    for path in paths:
+        open(path, "w").close()
+    _SLOT_FILES = paths
 
 
 class _concurrency:
+    """Hold one slot while an execution runs; InfraError when none frees up in `wait_s`."""
+
+    def __init__(self, wait_s: float):
+        self.wait_s, self.fd = wait_s, None
+
     def __enter__(self):
-        if _SLOTS is not None and not _SLOTS.acquire(timeout=120):
-            raise InfraError("sandbox: no execution slot free for 120 s")
+        import fcntl
+
+        if not _SLOT_FILES:
+            return self
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            for path in _SLOT_FILES:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    continue
+                self.fd = fd
+                return self
+            if time.monotonic() >= deadline:
+                raise InfraError(f"sandbox: no execution slot free within {self.wait_s:g}s "
+                                 f"(max_concurrent={len(_SLOT_FILES)})")
+            time.sleep(0.005)
 
     def __exit__(self, *exc):
-        if _SLOTS is not None:
-            _SLOTS.release()
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the lock
+            self.fd = None

@@ -18,7 +18,8 @@ error); an infrastructure failure raises `InfraError` (retried once, then masked
 Options of both: ``sandbox = { cpu_s = 2, wall_s = 4, memory_mb = 1024, ... }`` (the fields of
 `SandboxLimits`), ``isolation = "auto"`` ("bwrap", "unshare" or "rlimits" to force one) and
 ``max_concurrent = 2`` (executions at once across all reward workers). The reward pool's
-time limit is raised to cover a retried execution (2 x wall_s + 5 s).
+time limit is raised to cover a retried execution and the waits for a slot (4 x wall_s +
+5 s).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _code_task(name: str, train: list[Sample], eval_: list[Sample], limits: Sand
                level: str, max_concurrent: int) -> Task:
     info = {**isolation_info(level), "limits": asdict(limits), "max_concurrent": max_concurrent}
     return Task(name, train, eval_, partial(code_verifier, limits=limits, isolation=level),
-                reward_timeout_s=2 * limits.wall_s + 5.0, info={"sandbox": info})
+                reward_timeout_s=4 * limits.wall_s + 5.0, info={"sandbox": info})
 
 
 # ---------------------------------------------------------------------------------------------
