@@ -320,3 +320,15 @@ def test_concurrency_slots_bound_executions_and_survive_a_killed_holder(monkeypa
     holder.kill()
     holder.join(5)
     assert execute(code, TESTS, "f", LIMITS, isolation="rlimits").score == 1.0
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_background_child_does_not_hold_the_result(level) -> None:
+    """Code that leaves a child running (holding the output pipe) is scored as soon as its
+    tests are done, and the child is killed with the group."""
+    code = ("import os, time\nif os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\n"
+            "def f(x):\n    return x + 1\n")
+    result, seconds = _run(code, level)
+    assert result.score == 1.0 and seconds < LIMITS.wall_s
+    time.sleep(0.2)
+    assert _sandbox_processes() == []

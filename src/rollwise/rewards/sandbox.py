@@ -400,6 +400,8 @@ def _communicate(proc: subprocess.Popen, payload: bytes, limits: SandboxLimits, 
             *lines, buf = buf.split(b"\n")
             for line in lines:
                 _take(line, nonce, result, own)
+            if "done" in result.details or result.status == "load_error":
+                break  # finished: whatever it left running is killed with the group below
             if seen > cap + 65536:  # allow the tagged lines some room beyond the cap
                 killed = "output_limit"
                 break
