@@ -27,8 +27,7 @@ def nan(completion: str, sample: Sample) -> float:
 
 
 def hangs(completion: str, sample: Sample) -> float:
-    if sample.id.endswith(("0", "2", "4", "6", "8")):
-        time.sleep(30)
+    time.sleep(30)
     return 1.0
 
 
@@ -43,12 +42,13 @@ def test_raising_nan_and_hanging_rewards_score_zero_and_are_counted(tmp_path) ->
     per_step = 2 * 4  # prompts x group size
     for r in records:
         assert r["reward_errors"] == 2 * per_step  # raises + nan, every rollout
-        assert 0 < r["reward_timeouts"] <= per_step  # the hanging ones only
+        assert r["reward_timeouts"] == per_step  # every call of the hanging verifier
     assert summary["reward_errors"] == 2 * 2 * per_step
-    assert summary["reward_timeouts"] == sum(r["reward_timeouts"] for r in records)
+    assert summary["reward_timeouts"] == 2 * per_step
     step_lines = [x for x in lines if x.startswith("step ")]
     assert len(step_lines) == 2
-    assert all(f"reward failures: {2 * per_step} raised/NaN" in x for x in step_lines)
+    assert all(f"reward failures: {2 * per_step} raised/NaN, {per_step} timed out" in x
+               for x in step_lines)
     store = TrajectoryStore(tmp_path / "tiny_arith" / "trajectories.sqlite")
     for t in store.load_step(1):
         assert t.scores["raises"] == 0.0 and t.scores["nan"] == 0.0
