@@ -239,7 +239,6 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
         stages.engine.publish(stages.engine.version)  # a converted (rollout.dtype) copy
         console.print(f"evaluating {found[-1]}")
     result = stages.evaluate()
-    console.print_json(json.dumps(result))
     from rich.table import Table
 
     from rollwise.evaluate import task_table
@@ -253,6 +252,7 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
         table.add_row(*[f"{row[c]:.3f}" if isinstance(row.get(c), float) and c != "n"
                         else str(row.get(c, "")) for c in columns])
     console.print(table)
+    console.print_json(json.dumps(result))  # last, so the output ends with one JSON object
 
 
 @app.command()
