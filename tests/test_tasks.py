@@ -163,7 +163,8 @@ def test_unknown_task_and_option_suggest_close_names() -> None:
         make_task("arith", path="data.jsonl")
     with pytest.raises(ValueError, match=re.escape("ops='+/'")):
         make_task("arith", ops="+/")
-    assert set(TASKS) == {"arith", "arith_chain", "arith_mix", "countdown", "file",
+    assert set(TASKS) == {"arith", "arith_chain", "arith_mix", "countdown", "file", "reasoning_gym",
+                          "humaneval", "pycode", "verifiers",
                           "calc_tool", "lookup", "guess"}  # the last three: environments
     assert task_options("arith_chain") == {
         "p": 0.35, "max_terms": 24, "digits": 1, "ops": "+", "style": None,

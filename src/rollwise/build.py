@@ -7,6 +7,8 @@ part it builds takes plain arguments.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -65,18 +67,30 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None,
     t = cfg.task
     task = build_task(cfg)
     _check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
-    specs = reward_specs(cfg, task, rewards)
+    judge = _judge(cfg) if "judge" in t.rewards else None  # preflight: fails fast, with the URL
+    specs = reward_specs(cfg, task, rewards, judge=judge)
     # Verifier worker processes are forked before the model exists: forked later, each would
     # keep a copy-on-write copy of every page training then writes (weights, KV cache).
-    train_pool = RewardPool(specs, timeout_s=t.reward_timeout_s).start()
-    eval_pool = RewardPool([RewardSpec("correct", task.verifier)],
-                           timeout_s=t.reward_timeout_s).start()
+    timeout_s = reward_timeout(cfg, task)  # code tasks: a retried sandbox run
+    train_pool = RewardPool(specs, timeout_s=timeout_s).start()
+    extra = _eval_tasks(cfg)  # eval.tasks: (label, Task), built before the pools fork
+    eval_verify = task.verifier
+    if extra:
+        verifiers = {task.name: task.verifier, **{label: x.verifier for label, x in extra}}
+        eval_verify = partial(_verify_by_task, verifiers=verifiers)
+        timeout_s = max([timeout_s] + [x.reward_timeout_s or 0.0 for _, x in extra])
+    eval_pool = RewardPool([RewardSpec("correct", eval_verify)],
+                           timeout_s=timeout_s).start()
     policy = policy if policy is not None else build_policy(cfg, task)
     r, e, a = cfg.rollout, cfg.eval, cfg.algorithm
     train_prompts, skipped = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
     _check_enough_prompts(len(train_prompts), skipped, r.prompts_per_step)
     eval_max = e.max_tokens or r.max_tokens
     eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
+    if extra:  # every sample labelled with its task, for the per-task figures
+        eval_samples = [replace(s, meta={**s.meta, "eval_task": label})
+                        for label, samples in [(task.name, eval_samples)] +
+                        [(label, x.eval) for label, x in extra] for s in samples]
     eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
     precision = _precision(cfg, policy)
     rollout_stage = build_rollout_stage(cfg, policy, precision, train_pool.score, task=task)
@@ -110,7 +124,8 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None,
               "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
               "parameters": sum(p.numel() for p in policy.model.parameters()),
               "trainable_parameters": sum(p.numel() for p in learner.params),
-              "precision": precision.record(), "precision_line": precision.line()},
+              "precision": precision.record(), "precision_line": precision.line(),
+              **{k: v for _, x in extra for k, v in x.info.items()}, **task.info},
     )
 
 
@@ -122,12 +137,27 @@ def build_task(cfg: Config) -> Task:
 
 
 def reward_specs(cfg: Config, task: Task,
-                 rewards: dict[str, tuple[Callable, float]] | None = None) -> list[RewardSpec]:
-    """The verifiers of task.rewards (group terms apart), then the caller's own."""
-    specs = [RewardSpec(name, task.verifier if name == CORRECT else get_verifier(name), w)
+                 rewards: dict[str, tuple[Callable, float]] | None = None,
+                 judge: Callable | None = None) -> list[RewardSpec]:
+    """The verifiers of task.rewards (group terms apart), then the caller's own. `judge`:
+    the LLM judge already built (else built here, when task.rewards names it)."""
+    def verifier(name: str) -> Callable:
+        if name == CORRECT:
+            return task.verifier
+        if name == "judge":
+            return judge if judge is not None else _judge(cfg)
+        return get_verifier(name)
+
+    specs = [RewardSpec(name, verifier(name), w)
              for name, w in cfg.task.rewards.items() if not is_group_term(name)]
     return specs + [RewardSpec(name, fn, w) for name, (fn, w) in (rewards or {}).items()
                     if not is_group_term(fn)]
+
+
+def reward_timeout(cfg: Config, task: Task) -> float:
+    """One verifier call's time limit: task.reward_timeout_s, or more where the task needs
+    it (a code task's sandbox run, retried once)."""
+    return max(cfg.task.reward_timeout_s, task.reward_timeout_s or 0.0)
 
 
 def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
@@ -168,6 +198,43 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
             corrections, precision.correction, "correction"),
         correction_options={"cap": a.correction_cap, "low": a.correction_low},
         skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts)
+
+
+def _eval_tasks(cfg: Config) -> list[tuple[str, Task]]:
+    """The tasks of eval.tasks (each table: name, num_eval, options, path, label)."""
+    chat = cfg.model.name != "tiny"
+    out: list[tuple[str, Task]] = []
+    labels = {cfg.task.name}
+    for i, table in enumerate(cfg.eval.tasks):
+        table = dict(table)
+        unknown = set(table) - {"name", "num_eval", "options", "path", "label"}
+        if "name" not in table or unknown:
+            raise ValueError(f"eval.tasks[{i}]: expected a table with name (and num_eval, "
+                             f"options, path, label); got keys {sorted(table)}")
+        label = str(table.get("label", table["name"]))
+        if label in labels:
+            raise ValueError(f"eval.tasks[{i}]: label {label!r} is taken; give label = '...'")
+        labels.add(label)
+        task = make_task(table["name"], seed=cfg.run.seed, num_train=0,
+                         num_eval=int(table.get("num_eval", cfg.task.num_eval)), chat=chat,
+                         path=table.get("path"), **dict(table.get("options", {})))
+        out.append((label, task))
+    return out
+
+
+def _verify_by_task(completion: str, sample, *, verifiers: dict) -> float:
+    """The verifier of the sample's own evaluation task (eval.tasks)."""
+    return verifiers[sample.meta["eval_task"]](completion, sample)
+
+
+def _judge(cfg: Config):
+    """The LLM judge of [judge], checked with one request now (before the model loads)."""
+    from rollwise.rewards.judge import make_judge
+
+    options = cfg.judge.model_dump()
+    if options["prompt"] is None:
+        del options["prompt"]
+    return make_judge(options)
 
 
 def _precision(cfg: Config, policy: Policy) -> PrecisionChoice:

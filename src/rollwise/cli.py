@@ -175,6 +175,12 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
                   f"{root if resume is not None else Path(cfg.run.output_dir)}", highlight=False)
     stages = build_run(cfg)
     console.print(stages.info["precision_line"], highlight=False, soft_wrap=True)
+    if "sandbox" in stages.info:  # code tasks: what isolates model-written code here
+        box = stages.info["sandbox"]
+        console.print(f"sandbox: {box['isolation']}"
+                      + ("" if box["security_boundary"] else " (limits only: NOT a security "
+                         "boundary, docs/rewards.md)"), highlight=False,
+                      style=None if box["security_boundary"] else "yellow")
     if lock is None:
         root, lock = _claim_run_dir(cfg)
     loggers = make_loggers(cfg.run.loggers, root, cfg.run.name, cfg.model_dump(),
@@ -242,7 +248,20 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
         stages.engine.publish(stages.engine.version)  # a converted (rollout.dtype) copy
         console.print(f"evaluating {found[-1]}")
     result = stages.evaluate()
-    console.print_json(json.dumps(result))
+    from rich.table import Table
+
+    from rollwise.evaluate import task_table
+
+    rows = task_table(result)
+    table = Table(title="held-out evaluation by task")
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    for c in columns:
+        table.add_column(c, justify="left" if c == "task" else "right")
+    for row in rows:
+        table.add_row(*[f"{row[c]:.3f}" if isinstance(row.get(c), float) and c != "n"
+                        else str(row.get(c, "")) for c in columns])
+    console.print(table)
+    console.print_json(json.dumps(result))  # last, so the output ends with one JSON object
 
 
 @app.command()

@@ -280,6 +280,10 @@ class EvalConfig(_Section):
     pass_k: int = Field(0, ge=0, description="Also report unbiased pass@k (0: off).")
     pass_samples: int = Field(8, ge=1, description="Samples per prompt for pass@k (n >= k).")
     batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+    tasks: list[dict[str, Any]] = Field(
+        default_factory=list, description="More tasks to evaluate on, besides the training "
+        "task's held-out split, each reported apart: tables { name = 'humaneval', num_eval = "
+        "164, options = {...}, path = ..., label = ... }.")
 
 
 class ControlConfig(_Section):
@@ -344,6 +348,26 @@ class HealthConfig(_Section):
     max_kl: float = Field(10.0, gt=0, description="KL above this counts as diverging.")
 
 
+class JudgeConfig(_Section):
+    """LLM-as-judge, the reward term `judge` in task.rewards (docs/tasks.md): any
+    OpenAI-compatible endpoint, called through the openai client."""
+
+    base_url: str = Field("", description="Endpoint, e.g. 'http://127.0.0.1:8000/v1'.")
+    model: str = Field("", description="Model name the endpoint serves.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Name of the environment variable "
+                             "holding the API key (never the key itself).")
+    prompt: str | None = Field(None, description="Template with {question}, {reference}, "
+                               "{response} (default: a 0-10 grading prompt).")
+    score_regex: str = Field(r"GRADE:\s*([0-9]+(?:\.[0-9]+)?)",
+                             description="Regex whose first group is the grade.")
+    max_score: float = Field(10.0, gt=0, description="Grades are divided by this, clipped to "
+                             "[0, 1].")
+    timeout_s: float = Field(30.0, gt=0, description="Time limit of one request.")
+    retries: int = Field(2, ge=0, description="Retries of a failed request.")
+    max_concurrent: int = Field(4, ge=1, description="Requests at once per reward worker.")
+    cache: bool = Field(True, description="Cache grades by (prompt, response).")
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -354,6 +378,7 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
 
 
 class ConfigError(ValueError):

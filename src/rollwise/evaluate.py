@@ -1,8 +1,20 @@
-"""Evaluation: greedy accuracy and unbiased pass@k on held-out prompts."""
+"""Evaluation as the field reports it: pass@1 (greedy), mean@k and unbiased pass@k on held-out
+prompts, overall and per task of a mixture.
+
+- pass@1 (greedy) = `accuracy`: the share of prompts whose greedy completion scores 1.
+- `mean_score`: the mean greedy score (partial credit counts, e.g. tests passed / tests).
+- with eval.pass_k = k > 0: n = eval.pass_samples samples per prompt at the rollout
+  temperature; mean@n = their mean score; pass@k = the unbiased estimator
+  1 - C(n - c, k) / C(n, k) with c = samples scoring 1 (Chen et al. 2021), averaged.
+- per task: keys ``task/<label>/<metric>`` for each label when there is more than one; the
+  label is the sample's evaluation task (eval.tasks) and, in a reasoning-gym mixture, its
+  source dataset (``reasoning_gym/chain_sum``). `task_table` turns them into rows.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import comb
@@ -55,25 +67,84 @@ class Evaluator:
         greedy = self._generate(SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens),
                                 "evaluating (greedy)")
         trajs = [t for g in greedy for t in g.trajectories]
-        self.pool.score(trajs)
+        stats = self.pool.score(trajs)
         out = {
             "accuracy": sum(t.reward >= 1.0 for t in trajs) / len(trajs),
+            "mean_score": sum(t.reward for t in trajs) / len(trajs),
             "num_prompts": float(len(trajs)),
             "mean_response_len": sum(t.num_tokens for t in trajs) / len(trajs),
         }
-        if self.pass_k:
-            out[f"pass@{self.pass_k}"] = self._pass_at_k()
+        if stats.num_errors or stats.num_timeouts or stats.num_infra:
+            out["reward_failures"] = float(stats.num_errors + stats.num_timeouts
+                                           + stats.num_infra)
+        by_label: dict[str, list] = defaultdict(list)
+        for g in greedy:
+            by_label[task_label(g.sample)].append(g)
+        sampled = self._sampled() if self.pass_k else None
+        if sampled is not None:
+            out.update(self._sampled_metrics(sampled))
+        if len(by_label) > 1:
+            sampled_by: dict[str, list] = defaultdict(list)
+            for g in sampled or []:
+                sampled_by[task_label(g.sample)].append(g)
+            for label, groups in sorted(by_label.items()):
+                rewards = [t.reward for g in groups for t in g.trajectories]
+                out[f"task/{label}/n"] = float(len(rewards))
+                out[f"task/{label}/pass@1"] = sum(r >= 1.0 for r in rewards) / len(rewards)
+                out[f"task/{label}/mean@1"] = sum(rewards) / len(rewards)
+                if sampled_by.get(label):
+                    out.update({f"task/{label}/{k}": v for k, v in
+                                self._sampled_metrics(sampled_by[label]).items()})
         out["seconds"] = time.perf_counter() - start
         return out
 
-    def _pass_at_k(self) -> float:
+    def _sampled(self) -> list[Group]:
         params = SamplingParams(n=self.pass_samples, temperature=self.temperature,
                                 max_tokens=self.max_tokens)
         groups = self._generate(params, f"evaluating (pass@{self.pass_k})")
         self.pool.score([t for g in groups for t in g.trajectories])
-        scores = [pass_at_k(len(g.trajectories), sum(r >= 1.0 for r in g.rewards), self.pass_k)
+        return groups
+
+    def _sampled_metrics(self, groups: list[Group]) -> dict[str, float]:
+        """mean@n and unbiased pass@k over sampled groups."""
+        k, n = self.pass_k, self.pass_samples
+        passes = [pass_at_k(len(g.trajectories), sum(r >= 1.0 for r in g.rewards), k)
                   for g in groups]
-        return sum(scores) / len(scores)
+        means = [sum(g.rewards) / len(g.rewards) for g in groups]
+        return {f"pass@{k}": sum(passes) / len(passes), f"mean@{n}": sum(means) / len(means)}
+
+
+def task_label(sample) -> str:
+    """The sample's task for per-task figures: its eval task, then its source dataset.
+
+    >>> from rollwise.types import Sample
+    >>> task_label(Sample("a", "q", "1", meta={"eval_task": "reasoning_gym",
+    ...                                        "source_dataset": "chain_sum"}))
+    'reasoning_gym/chain_sum'
+    """
+    task = sample.meta.get("eval_task") or sample.id.split("/")[0]
+    source = sample.meta.get("source_dataset")
+    return f"{task}/{source}" if source else task
+
+
+def task_table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows {task, n, pass@1, mean@1, ...} from an evaluation result's ``task/...`` keys
+    (one row, "all", when there is a single task).
+
+    >>> task_table({"task/a/n": 2.0, "task/a/pass@1": 0.5, "accuracy": 0.5})
+    [{'task': 'a', 'n': 2.0, 'pass@1': 0.5}]
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    for key, value in result.items():
+        if key.startswith("task/"):
+            label, _, metric = key[5:].rpartition("/")
+            rows.setdefault(label, {"task": label})[metric] = value
+    if not rows:
+        row = {"task": "all", "n": result.get("num_prompts"), "pass@1": result.get("accuracy"),
+               "mean@1": result.get("mean_score")}
+        row |= {k: v for k, v in result.items() if k.startswith(("pass@", "mean@"))}
+        return [row]
+    return list(rows.values())
 
 
 @dataclass

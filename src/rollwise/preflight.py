@@ -49,7 +49,7 @@ def _check_rewards(cfg: Config) -> None:
 
     t = cfg.task
     for name in t.rewards:  # the task's own verifier, a group term, or a verifier
-        if name == CORRECT:
+        if name in (CORRECT, "judge"):  # the judge: checked by build, with one request
             continue
         if is_group_term(name):
             _known(f"task.rewards.{name}", name, GROUP_REWARDS)

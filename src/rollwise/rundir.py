@@ -133,7 +133,7 @@ class Run:
         self.bar: ProgressHandle | None = None
         self.step = 0  # last completed step
         self.counters = {"train_seconds": 0.0, "rollouts": 0, "tokens": 0, "reward_errors": 0,
-                         "reward_timeouts": 0}
+                         "reward_timeouts": 0, "reward_infra": 0}
         self._snap: dict[str, Any] | None = None
         self._saved: tuple[int, int] | None = None  # (step, snapshot id) last checkpointed
         self._snap_id = 0
@@ -260,6 +260,7 @@ class Run:
         c["tokens"] += sum(lengths)
         c["reward_errors"] += rewards.num_errors
         c["reward_timeouts"] += rewards.num_timeouts
+        c["reward_infra"] = c.get("reward_infra", 0) + rewards.num_infra  # older checkpoints
         lens = summarize_lengths(lengths)
         record = {
             "kind": "train", "step": step, "num_steps": num_steps, "wall_time": c["train_seconds"],
@@ -277,6 +278,7 @@ class Run:
             **{f"time_{k}": v for k, v in phases.items()},
             "time_other": max(seconds - sum(phases.values()), 0.0),
             "reward_errors": rewards.num_errors, "reward_timeouts": rewards.num_timeouts,
+            "reward_infra": rewards.num_infra,
             **update, **(control or {}),
         }
         record |= capacity(record, phases, seconds, sum(len(g.trajectories) for g in kept))

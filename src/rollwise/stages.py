@@ -16,7 +16,7 @@ from rollwise.control import Controller, Request, UniformSampler
 from rollwise.evaluate import Evaluator
 from rollwise.learner import Learner, prepare_batch
 from rollwise.models import Policy
-from rollwise.rewards import RewardStats
+from rollwise.rewards import RewardStats, mask_infra_failures
 from rollwise.rewards.group import GroupTerm, apply_group_rewards
 from rollwise.rollout import RolloutStage
 from rollwise.tasks import Task
@@ -58,6 +58,8 @@ class Stages:
 
     def score(self, groups: list[Group]) -> RewardStats:
         stats = self.rollout_stage.score(groups)
+        for g in groups:  # a verifier's infrastructure failed: zero advantage, not a 0 reward
+            mask_infra_failures(g.trajectories)
         apply_group_rewards(groups, self.group_rewards)
         return stats
 

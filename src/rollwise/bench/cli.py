@@ -66,6 +66,28 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
         typer.echo(f"wrote {json} and {page}")
 
 
+@bench_app.command("reward")
+def reward(json: JsonOpt = None,
+           executions: Annotated[int, typer.Option(help="Programs per level and rep.")] = 40,
+           reps: Annotated[int, typer.Option(help="Alternating repetitions.")] = 3,
+           isolation: Annotated[list[str] | None, typer.Option(
+               help="bwrap, unshare, rlimits (repeatable; default every one that works).")
+           ] = None):
+    """The code sandbox's cost per execution (pycode programs, every test passing)."""
+    from rollwise.bench import reward as bench
+
+    data = bench.run(executions=executions, reps=reps, levels=tuple(isolation or ()),
+                     progress=_say)
+    base = next(k for k in data["results"][0] if k.startswith("over_"))
+    print_table(f"sandbox cost per execution (target mean <= {data['target_mean_ms']:g} ms)",
+                data["results"], ["isolation", "mean_ms", "median_ms", "p95_ms", base,
+                                  "executions", "tests", "passed", "meets_target"])
+    typer.echo(f"detected here: {data['detected']['isolation']}")
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")
+
+
 @bench_app.command("alloc")
 def alloc(model: ModelOpt = "tiny", json: JsonOpt = None,
           allocator: Annotated[list[str] | None, typer.Option(

@@ -185,7 +185,7 @@ class RayStages(Stages):
 
 def build_distributed(cfg, rewards=None, *, address: str | None = None) -> RayStages:
     """`build(cfg)` for the driver, then the actors around the same stage builders."""
-    from rollwise.build import _precision, build, reward_specs
+    from rollwise.build import _precision, build, reward_specs, reward_timeout
     from rollwise.distributed.cluster import connect, worker_env
 
     ray, started = connect(address or cfg.run.ray_address)
@@ -198,7 +198,7 @@ def build_distributed(cfg, rewards=None, *, address: str | None = None) -> RaySt
     reward = ray.remote(_actor("RewardWorker")).options(
         num_cpus=0, max_restarts=RESTARTS, max_task_retries=RESTARTS, runtime_env=env,
         max_concurrency=4).remote(reward_specs(cfg, local.task, rewards),
-                                  cfg.task.reward_timeout_s)
+                                  reward_timeout(cfg, local.task))
     threads = cfg.run.threads or max(1, int(r.worker_cpus))
     workers = [ray.remote(_actor("RolloutWorker")).options(
         num_cpus=r.worker_cpus, max_restarts=RESTARTS, max_task_retries=RESTARTS,

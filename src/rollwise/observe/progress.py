@@ -91,10 +91,13 @@ def format_step_line(record: dict[str, Any]) -> str:
     """One line summarising a training-step metrics record; missing keys are left out.
 
     Reads: step, num_steps, reward_mean, eval_accuracy, response_len_p50, zero_var_frac,
-    time_rollout, time_reward, time_train (seconds), rollout_tokens_per_s.
+    time_rollout, time_reward, time_train (seconds), rollout_tokens_per_s, and the verifier
+    calls that failed (reward_errors, reward_timeouts, reward_infra) when there were any.
 
     >>> format_step_line({"step": 3, "num_steps": 20, "reward_mean": 0.414, "time_train": 12.34})
     'step 3/20 | reward 0.41 | train 12.3s'
+    >>> format_step_line({"step": 4, "reward_errors": 2, "reward_timeouts": 0})
+    'step 4 | reward failures: 2 raised/NaN'
     """
     parts: list[str] = []
     step, total = number(record, "step"), number(record, "num_steps")
@@ -130,4 +133,10 @@ def format_step_line(record: dict[str, Any]) -> str:
     if number(record, "time_wait") is not None:  # the asynchronous driver
         stale = sum(number(record, f"staleness_hist_{k}") or 0 for k in ("1", "2", "3plus"))
         parts.append(f"queue {int(number(record, 'queue_depth') or 0)} stale {int(stale)}")
+    failed = [f"{int(n)} {label}" for key, label in (("reward_errors", "raised/NaN"),
+                                                      ("reward_timeouts", "timed out"),
+                                                      ("reward_infra", "infra, masked"))
+              if (n := number(record, key))]
+    if failed:
+        parts.append("reward failures: " + ", ".join(failed))
     return " | ".join(parts)

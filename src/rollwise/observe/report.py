@@ -44,6 +44,15 @@ def write_report(run_dir: Path) -> Path:
         body.append('<h2>Plots</h2><div class="figures">')
         body.extend(html.figure(png, caption) for caption, png in figures)
         body.append("</div>")
+    evaluated = [(k, summary[k]) for k in ("eval_before", "eval_after")
+                 if isinstance(summary.get(k), dict)]
+    if evaluated:
+        from rollwise.evaluate import task_table
+
+        rows = [{"when": k.removeprefix("eval_"), **row} for k, result in evaluated
+                for row in task_table(result)]
+        body.append("<h2>Evaluation (pass@1 greedy, mean@k, unbiased pass@k, by task)</h2>"
+                    f"{html.table(rows)}")
     body.append(completions_section(run_dir / STORE_FILE))
     if train:
         last = {k: v for k, v in train[-1].items() if number(train[-1], k) is not None}
@@ -107,6 +116,10 @@ def _header(name: str, summary: dict[str, Any], train: list[dict[str, Any]]) -> 
         steps = max((number(r, "step") or 0 for r in train), default=None)
     if steps is not None:
         headline.append(f"{int(steps)} steps")
+    failed = sum(number(flat, k) or 0 for k in ("reward_errors", "reward_timeouts",
+                                                 "reward_infra"))
+    if failed:
+        headline.append(f"{int(failed)} reward calls failed (scored 0 or masked)")
     parts = [f"<h1>{escape(name)}</h1>"]
     if headline:
         parts.append(f'<div class="headline">{" &middot; ".join(headline)}</div>')

@@ -4,7 +4,13 @@ Knows `types` only; never imports torch models, the engine or the learner.
 """
 
 from rollwise.rewards.countdown import countdown_verifier
-from rollwise.rewards.pool import RewardPool, RewardSpec, RewardStats
+from rollwise.rewards.pool import (
+    InfraError,
+    RewardPool,
+    RewardSpec,
+    RewardStats,
+    mask_infra_failures,
+)
 from rollwise.rewards.verifiers import (
     VERIFIERS,
     Verifier,
@@ -16,6 +22,7 @@ from rollwise.rewards.verifiers import (
 
 __all__ = [
     "VERIFIERS",
+    "InfraError",
     "RewardPool",
     "RewardSpec",
     "RewardStats",
@@ -24,5 +31,6 @@ __all__ = [
     "final_number",
     "format_reward",
     "get_verifier",
+    "mask_infra_failures",
     "math_verify_match",
 ]

@@ -37,6 +37,34 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
+class InfraError(RuntimeError):
+    """Raised by a verifier whose infrastructure failed (a sandbox that could not start, a
+    judge that did not answer) after its own retries: not the completion's fault. The pool
+    records it as "name: infra: ...", counts it in `RewardStats.num_infra` (not in
+    num_errors), and the step masks the trajectory (`mask_infra_failures`)."""
+
+
+INFRA = "infra: "
+NOTE = "note: "
+
+
+class Scored(float):
+    """A score with a note on how it came about (e.g. "sandbox timeout (2/5): wall time limit
+    4s"): a verifier may return one; the pool keeps the score and records the note in
+    `Trajectory.reward_errors` as "name: note: ..." without counting it as an error.
+
+    >>> s = Scored(0.4, "2 of 5 tests passed"); s + 0.1, s.note
+    (0.5, '2 of 5 tests passed')
+    """
+
+    note: str
+
+    def __new__(cls, value: float, note: str = "") -> Scored:  # noqa: PYI034
+        obj = super().__new__(cls, value)
+        obj.note = note
+        return obj
+
+
 @dataclass
 class RewardSpec:
     """One verifier in the reward: trajectory.reward = sum of weight * fn(text, sample)."""
@@ -54,11 +82,13 @@ class RewardStats:
     num_errors: int  # verifier calls that raised (or returned a non-finite / non-number)
     num_timeouts: int  # verifier calls cut off after timeout_s
     seconds: float  # wall time of the call
+    num_infra: int = 0  # verifier calls whose infrastructure failed (InfraError): masked
 
     def __add__(self, other: RewardStats) -> RewardStats:
         """The stats of two calls together (a step that rolled out more than once)."""
         return RewardStats(self.num_scored + other.num_scored, self.num_errors + other.num_errors,
-                           self.num_timeouts + other.num_timeouts, self.seconds + other.seconds)
+                           self.num_timeouts + other.num_timeouts, self.seconds + other.seconds,
+                           self.num_infra + other.num_infra)
 
 
 def _serve(conn, specs: list[RewardSpec]) -> None:
@@ -86,10 +116,14 @@ def _serve(conn, specs: list[RewardSpec]) -> None:
         start = time.perf_counter()
         try:
             value, error = specs[index].fn(text, sample), None
+        except InfraError as err:
+            value, error = 0.0, f"{INFRA}{err}"
         except BaseException as err:  # noqa: BLE001 - any verifier failure scores 0
             value, error = 0.0, f"{type(err).__name__}: {err}"
         error = error or _check_value(value)
-        conn.send((job_id, 0.0 if error else float(value), error, time.perf_counter() - start))
+        note = str(getattr(value, "note", "") or "")[:500]
+        conn.send((job_id, 0.0 if error else float(value), error, time.perf_counter() - start,
+                   note))
 
 
 def _context():
@@ -204,17 +238,20 @@ class RewardPool:
             traj.timings["reward"] = 0.0
         jobs = [(row, i) for row in range(len(trajectories)) for i in range(len(self.specs))]
         with self._lock:
-            counts = self._run(jobs, trajectories) if jobs else (0, 0)
+            counts = self._run(jobs, trajectories) if jobs else (0, 0, 0)
         for traj in trajectories:
             traj.reward = sum(spec.weight * traj.scores[spec.name] for spec in self.specs)
-        return RewardStats(len(trajectories), *counts, time.perf_counter() - start)
+        errors, timeouts, infra = counts
+        return RewardStats(len(trajectories), errors, timeouts, time.perf_counter() - start,
+                           infra)
 
-    def _run(self, jobs: list[tuple[int, int]], trajs: list[Trajectory]) -> tuple[int, int]:
+    def _run(self, jobs: list[tuple[int, int]], trajs: list[Trajectory]
+             ) -> tuple[int, int, int]:
         """Hand jobs to idle workers, collect results, kill overrunning workers; returns
-        (errors, timeouts)."""
+        (errors, timeouts, infrastructure failures)."""
         workers = self._ready_workers()
         todo, done = deque(range(len(jobs))), 0
-        errors = timeouts = 0
+        errors = timeouts = infra = 0
         while done < len(jobs):
             for w in workers:
                 if w.job is None and todo:
@@ -229,22 +266,28 @@ class RewardPool:
                 row, i = jobs[w.job]
                 if w.conn in ready:
                     try:
-                        _, value, error, seconds = w.conn.recv()
+                        _, value, error, seconds, note = w.conn.recv()
                     except (EOFError, OSError):  # the verifier took its process down
-                        value, error, seconds = 0.0, "worker process died", 0.0
+                        value, error, seconds, note = 0.0, "worker process died", 0.0, ""
                         self._replace(workers, w)
                 elif time.perf_counter() - w.started >= self.timeout_s:
                     value, error, seconds = 0.0, f"timeout after {self.timeout_s:g}s", \
                         self.timeout_s
+                    note = ""
                     timeouts += 1
                     self._replace(workers, w)
                 else:
                     continue
-                errors += error is not None and not error.startswith("timeout after")
+                is_infra = error is not None and error.startswith(INFRA)
+                infra += is_infra
+                errors += error is not None and not error.startswith("timeout after") \
+                    and not is_infra
                 self._record(trajs[row], self.specs[i], value, error, seconds)
+                if note and not error:
+                    trajs[row].reward_errors.append(f"{self.specs[i].name}: {NOTE}{note}")
                 w.job = None
                 done += 1
-        return errors, timeouts
+        return errors, timeouts, infra
 
     def _replace(self, workers: list[_Worker], worker: _Worker) -> None:
         """Kill `worker` (a stuck verifier stops now, whatever it was doing), fork another."""
@@ -288,3 +331,29 @@ def _check_value(value: object) -> str | None:
     except (TypeError, ValueError):
         return f"returned {type(value).__name__} {value!r}, not a number"
     return None if math.isfinite(number) else f"returned non-finite {number}"
+
+
+def infra_failed(traj: Trajectory) -> bool:
+    """Whether a verifier of `traj` failed for infrastructure reasons (see InfraError)."""
+    return any(e.partition(": ")[2].startswith(INFRA) for e in traj.reward_errors)
+
+
+def mask_infra_failures(trajectories: list[Trajectory]) -> int:
+    """Give each trajectory of one group whose scoring hit an infrastructure failure the mean
+    reward of its siblings that scored cleanly, so its group-relative advantage is zero: it
+    neither rewards nor punishes the policy. Returns how many were masked (all of a group's
+    failed: their rewards are left at 0 and every advantage of the group is zero anyway).
+
+    >>> from rollwise.types import Sample
+    >>> ts = [Trajectory(Sample("a", "q", "1"), [], [], [], [], "stop") for _ in range(3)]
+    >>> ts[0].reward, ts[1].reward = 1.0, 0.0
+    >>> ts[2].reward_errors = ["correct: infra: sandbox did not start"]
+    >>> mask_infra_failures(ts), ts[2].reward
+    (1, 0.5)
+    """
+    bad = [t for t in trajectories if infra_failed(t)]
+    good = [t.reward for t in trajectories if not infra_failed(t)]
+    if bad and good:
+        for t in bad:
+            t.reward = sum(good) / len(good)
+    return len(bad)

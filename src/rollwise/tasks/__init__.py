@@ -15,14 +15,19 @@ from rollwise.envs.tasks import build_calc_tool, build_guess, build_lookup
 from rollwise.registry import Registry, unknown_name_error
 from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
 from rollwise.tasks.base import Task, TaskSetup
+from rollwise.tasks.code import build_humaneval, build_pycode
 from rollwise.tasks.countdown import build_countdown
 from rollwise.tasks.files import DatasetError, build_file, load_samples
+from rollwise.tasks.rgym import build_reasoning_gym
+from rollwise.tasks.vf import build_verifiers
 
 # a builder: (TaskSetup, **its own options) -> Task
 TASKS: Registry[Callable[..., Task]] = Registry("task", takes=("setup",))
 for _name, _builder in {"arith": build_arith, "arith_chain": build_arith_chain,
                         "arith_mix": build_arith_mix, "countdown": build_countdown,
-                        "file": build_file}.items():
+                        "file": build_file, "reasoning_gym": build_reasoning_gym,
+                        "humaneval": build_humaneval, "pycode": build_pycode,
+                        "verifiers": build_verifiers}.items():
     TASKS.register(_name)(_builder)
 # multi-turn environment tasks (rollwise.envs.tasks; docs/agents.md)
 for _name, _builder in {"calc_tool": build_calc_tool, "lookup": build_lookup,
@@ -59,13 +64,15 @@ def make_task(
     >>> make_task("arithh")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, calc_tool, countdown, file, guess, lookup, or "package.module:function"
+    ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, calc_tool, countdown, file, guess, humaneval, lookup, pycode, reasoning_gym, verifiers, or "package.module:function"
     """
     accepted = task_options(name)
     if path is not None:
         options["path"] = path
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                     for p in inspect.signature(TASKS.get(name)).parameters.values())
     for option in options:
-        if option not in accepted:
+        if option not in accepted and not open_ended:  # **options: the builder checks them
             raise unknown_name_error(f"option of task {name!r}:", option, list(accepted))
     return TASKS.get(name)(TaskSetup(seed, num_train, num_eval, chat), **options)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollwise.types import Prompt, Sample
@@ -60,6 +60,9 @@ class Task:
     verifier: Callable[[str, Sample], float]  # (completion, sample) -> 1.0 correct / 0.0
     # multi-turn tasks: a fresh environment per episode (rollwise.envs); None: single turn
     env: Callable[[], Any] | None = None
+    # the least per-call verifier time limit the task needs (code tasks: a retried sandbox run)
+    reward_timeout_s: float | None = None
+    info: dict = field(default_factory=dict)  # recorded in summary.json (e.g. the sandbox)
 
 
 def as_prompt(text: str, chat: bool) -> Prompt:
