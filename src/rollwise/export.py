@@ -36,8 +36,8 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     """Write the model of `run_dir` at `step` (default: its latest checkpoint) to `out_dir`;
     returns the checkpoint exported."""
-    from rollwise.build import build_policy
     from rollwise.learner.checkpoint import load_checkpoint
+    from rollwise.parts import build_policy
     from rollwise.tasks import make_task
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)

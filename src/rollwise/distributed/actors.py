@@ -75,7 +75,7 @@ class RemoteScorer:
 
 class RolloutWorker:
     def __init__(self, cfg_data: dict, policy, precision, reward, threads: int):
-        from rollwise.build import build_rollout_stage, build_task
+        from rollwise.parts import build_rollout_stage, build_task
 
         configure_runtime(threads)
         cfg = _config(cfg_data)
@@ -144,7 +144,7 @@ class RewardWorker:
 
 class LearnerWorker:
     def __init__(self, cfg_data: dict, policy, precision, threads: int):
-        from rollwise.build import build_learner
+        from rollwise.parts import build_learner
 
         configure_runtime(threads)
         cfg = _config(cfg_data)

@@ -185,12 +185,13 @@ class RayStages(Stages):
 
 def build_distributed(cfg, rewards=None, *, address: str | None = None) -> RayStages:
     """`build(cfg)` for the driver, then the actors around the same stage builders."""
-    from rollwise.build import _precision, build, reward_specs, reward_timeout
+    from rollwise.build import build
     from rollwise.distributed.cluster import connect, worker_env
+    from rollwise.parts import build_precision, reward_specs, reward_timeout
 
     ray, started = connect(address or cfg.run.ray_address)
     local = build(cfg, rewards)
-    precision = _precision(cfg, local.policy)
+    precision = build_precision(cfg, local.policy)
     data = cfg.model_dump()
     policy = ray.put(local.policy)
     r = cfg.rollout

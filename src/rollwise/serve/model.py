@@ -33,10 +33,10 @@ def load_served(model: str, *, step: int | None = None, dtype: str = "float32") 
 
 
 def _load_run(run_dir: Path, step: int | None) -> Served:
-    from rollwise.build import build_policy
     from rollwise.config import load_config
     from rollwise.export import find_checkpoint
     from rollwise.learner.checkpoint import load_checkpoint
+    from rollwise.parts import build_policy
     from rollwise.tasks import make_task
 
     cfg = load_config(run_dir / "config.toml")
