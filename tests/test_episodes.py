@@ -191,6 +191,27 @@ def test_context_limit_ends_episodes(model):
     assert counts.truncated_context == 2 and groups[0].trajectories[0].response_ids == []
 
 
+def test_kept_kv_computes_only_the_new_tokens_of_each_turn(model):
+    """keep_kv (the default): each later turn takes the history's keys/values from the
+    previous turn (all but its last sampled token, never fed back) and computes only the
+    rest; the episodes are the same tokens as with a full prefill of every turn, and their
+    log-probs differ by float32 rounding only (see tests/test_kv_reuse.py)."""
+    kept, _ = _runner(model, lambda: ScriptedEnv(done_after=9), max_turns=3, seed=3)
+    plain, _ = _runner(model, lambda: ScriptedEnv(done_after=9), max_turns=3, seed=3,
+                       keep_kv=False)
+    (g1, _, c1), (g2, _, c2) = kept.run(_prompts(3)), plain.run(_prompts(3))
+    t1 = [t for g in g1 for t in g.trajectories]
+    t2 = [t for g in g2 for t in g.trajectories]
+    assert [t.response_ids for t in t1] == [t.response_ids for t in t2]
+    assert max(abs(a - b) for x, y in zip(t1, t2) for a, b in zip(x.logprobs, y.logprobs)) < 1e-4
+    resubmitted = c1.turns - c1.episodes  # every turn after an episode's first
+    assert c1.kv_reused_tokens == c1.prefix_reuse_tokens - resubmitted > 0
+    # without it every turn's prompt is computed (but a group's shared 4-token first one)
+    assert c2.kv_reused_tokens == 0
+    assert c2.prefill_tokens == c2.prompt_tokens - 4 * c2.prefix_shared_requests
+    assert c1.prefill_tokens == c2.prefill_tokens - c1.kv_reused_tokens
+
+
 @pytest.mark.parametrize("share_prompts", [True, False])
 def test_token_faithfulness_learner_logprobs_match_engine(model, share_prompts):
     """Every sampled token of every multi-turn trajectory, replayed through the learner's

@@ -197,6 +197,10 @@ class RolloutConfig(_Section):
         "after each of the first tree_depth turns (1: no tree); group_size must be a "
         "multiple of tree_branches ** tree_depth.")
     tree_depth: int = Field(1, ge=1, description="Tree rollouts: turns after which to fork.")
+    keep_kv: bool = Field(
+        True, description="Environment tasks: the engine keeps each episode's keys/values "
+        "between its turns, so a turn computes only the observation it adds, not the "
+        "history (dropped at each publication and first under memory pressure).")
 
 
 class AlgorithmConfig(_Section):

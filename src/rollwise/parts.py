@@ -244,8 +244,7 @@ def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, 
         policy.decode, max_turns=r.max_turns,
         max_context=min(r.max_episode_tokens, policy.max_context),
         env_timeout_s=r.env_timeout_s, branches=r.tree_branches if tree else 1,
-        depth=r.tree_depth,
-        seed=cfg.run.seed)
+        depth=r.tree_depth, keep_kv=r.keep_kv, seed=cfg.run.seed)
 
 
 def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int,

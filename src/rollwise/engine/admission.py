@@ -13,11 +13,20 @@ outgrow it, drafts are dropped, then idle prompts, then the newest row is parked
 is set aside (host memory, as Seer's global pool) and restored when it is admitted again.
 With `chunk_tokens`, a request is parked after that many tokens and re-queued (Seer's
 divided rollout).
+
+Conversations (`keep_kv`): when such a request finishes, the keys and values of its prompt
+and of its cached tokens are copied aside ("retained"), keyed by those tokens. A later group
+whose prompt extends a retained key (the next turn: history + sampled tokens + observation)
+takes that copy into its prefix slot and is prefilled from where it ends. Retained tokens
+count in the budget and are the first to go under pressure (least recently retained first,
+before idle prompts and before parking); a publication drops them (new weights).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+
+import torch
 
 from rollwise.engine.kvcache import KVCache
 from rollwise.engine.requests import EngineStats, Group, Request
@@ -33,6 +42,8 @@ class Admission:
         self.rows: list[Request] = []  # resident, by row
         self.waiting: deque[Request] = deque()
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
+        # finished conversations' keys/values, [layers, 2, kv_heads, n, head_dim], by tokens
+        self.retained: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     # -- the request table -----------------------------------------------------------------
 
@@ -68,7 +79,44 @@ class Admission:
 
     def kv_tokens(self) -> int:
         """Tokens held in the cache now (each computed prompt once)."""
-        return sum(len(g.tokens) for g in self.slots) + sum(r.cached for r in self.rows)
+        return (sum(len(g.tokens) for g in self.slots) + sum(r.cached for r in self.rows)
+                + self.retained_tokens())
+
+    # -- retained conversations ------------------------------------------------------------
+
+    def retained_tokens(self) -> int:
+        return sum(kv.shape[3] for kv in self.retained.values())
+
+    def retain(self, r: Request, row: int) -> None:
+        """Copy aside the keys/values of a finished request's prompt and cached tokens."""
+        g = r.group
+        key = tuple(g.tokens) + tuple(r.tokens[: r.cached])
+        kv = torch.cat((self.cache.take_prefix(g.slot, len(g.tokens)),
+                        self.cache.take_row(row, r.cached)), dim=3)
+        self.retained.pop(key, None)
+        self.retained[key] = kv
+        self.stats.retained += 1
+
+    def reuse(self, g: Group) -> None:
+        """A group about to take a slot: the longest retained conversation its prompt
+        extends (at least one prompt token is left to compute, for the logits) is taken
+        out of the table into `g.reuse`."""
+        best, n = None, 0
+        for key in self.retained:
+            m = len(key)
+            if n < m < len(g.tokens) + 1 and tuple(g.tokens[:m]) == key:
+                best, n = key, m
+        if best is not None:
+            kv = self.retained.pop(best)
+            g.reuse = kv[:, :, :, : min(n, len(g.tokens) - 1)]
+
+    def evict_retained(self) -> int:
+        """Drop the oldest retained conversation; the tokens freed (0 when none)."""
+        if not self.retained:
+            return 0
+        _, kv = self.retained.popitem(last=False)
+        self.stats.retained_evictions += 1
+        return kv.shape[3]
 
     # -- admission and the budget ----------------------------------------------------------
 
@@ -91,6 +139,10 @@ class Admission:
             g = req.group
             need = (len(g.tokens) if g.slot < 0 else 0) + len(req.tokens) + 1 + len(req.draft)
             if held + need > self.kv_budget_tokens:
+                freed = self.evict_retained()
+                if freed:
+                    held -= freed
+                    continue
                 if self.rows or not self.evict_idle_prefixes(keep=g):
                     break
                 held = self.kv_tokens()
@@ -101,6 +153,8 @@ class Admission:
                 g.slot = len(self.slots)
                 self.slots.append(g)
                 new_groups.append(g)
+                if self.retained:
+                    self.reuse(g)
             g.running += 1
             self.rows.append(req)
             req.resident_since = len(req.tokens)
@@ -108,6 +162,13 @@ class Admission:
                 self.restore(req, len(self.rows) - 1)
             elif not req.tokens:
                 fresh.append(req)
+        if any(g.reuse is not None for g in new_groups):
+            # slots just taken, nothing written yet: the plainly prefilled ones first, so
+            # that they stay contiguous for their one batched prefill
+            base = new_groups[0].slot
+            for j, g in enumerate(sorted(new_groups, key=lambda g: g.reuse is not None)):
+                g.slot = base + j
+                self.slots[base + j] = g
         return new_groups, fresh
 
     def make_room(self) -> None:
@@ -120,7 +181,7 @@ class Admission:
             for r in self.rows:
                 r.draft, r.draft_logprobs = [], None
         while over():
-            if self.evict_idle_prefixes(keep=None):
+            if self.evict_retained() or self.evict_idle_prefixes(keep=None):
                 continue
             if len(self.rows) <= 1:
                 break
@@ -156,6 +217,8 @@ class Admission:
                     self.requests.pop(r.id, None)  # reported; keeps its row
                 else:
                     gone.append(i)
+                    if r.keep_kv:
+                        self.retain(r, i)
             elif (not r.zombie and r.chunk_tokens and self.waiting
                   and len(r.tokens) - r.resident_since >= r.chunk_tokens):
                 park.append(i)

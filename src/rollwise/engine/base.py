@@ -70,9 +70,11 @@ class RequestEngine(Engine, Protocol):
                resume: Completion | None = None, tag: int = 0, priority: float = 0.0,
                chunk_tokens: int = 0, draft: list[int] | None = None,
                draft_logprobs: list[float] | None = None,
-               lenience: float | None = None) -> int:
+               lenience: float | None = None, keep_kv: bool = False) -> int:
         """Queue one sequence; `resume` continues a partial Completion from `abort`;
-        `draft` a proposed continuation to verify. Returns the request id."""
+        `draft` a proposed continuation to verify; `keep_kv` a conversation's turn, whose
+        keys/values the next turn (a prompt extending this one's prompt + tokens) reuses.
+        Returns the request id."""
         ...
 
     def step(self, *, static_batch: bool | None = None,

@@ -363,6 +363,29 @@ class Decoder:
         last = x[torch.arange(g, device=x.device), torch.tensor(lengths, device=x.device) - 1]
         return self.logits(last)
 
+    def prefill_from(self, cache: KVCache, slot: int, tokens: list[int], start: int,
+                     ) -> torch.Tensor:
+        """The rest of one prompt whose first `start` tokens are already in prefix slot
+        `slot`: `tokens` at positions start.. attend to those and causally to each other;
+        their keys/values are written after them. Returns the [V] next-token logits."""
+        n = len(tokens)
+        end = start + n
+        ids = torch.tensor([tokens], device=self.device)
+        cos, sin = self.cos[start:end][None, :, None], self.sin[start:end][None, :, None]
+        mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        x = F.embedding(ids, self._w(self.embed))
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer, cos, sin)
+            cache.pk[i][slot, :, start:end] = k[0].transpose(0, 1)
+            cache.pv[i][slot, :, start:end] = v[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), cache.pk[i][slot: slot + 1, :, :end],
+                cache.pv[i][slot: slot + 1, :, :end], attn_mask=mask, scale=self.scale,
+                enable_gqa=self.rep > 1)
+            x = x + self._lin(o.transpose(1, 2).reshape(1, n, -1), layer.self_attn.o_proj)
+            x = x + self._mlp(self._rms(x, layer.post_attention_layernorm), layer.mlp)
+        return self.logits(x[:, -1])[0]
+
     def plan(self, rows: list[int], tokens: list[list[int]], own: list[int], slots: list[int],
              prefix_lens: list[int]) -> RowPlan:
         """Plan a `forward_rows` over cache `rows` with chunks `tokens`, `own[r]` own tokens

@@ -83,6 +83,17 @@ class KVCache:
         return torch.stack([torch.stack((k[row, :, :length], v[row, :, :length]))
                             for k, v in zip(self.rk, self.rv)])
 
+    def take_prefix(self, slot: int, length: int) -> torch.Tensor:
+        """A copy of a prefix slot's first `length` tokens (layout of `take_row`)."""
+        return torch.stack([torch.stack((k[slot, :, :length], v[slot, :, :length]))
+                            for k, v in zip(self.pk, self.pv)])
+
+    def put_prefix(self, slot: int, saved: torch.Tensor) -> None:
+        n = saved.shape[3]
+        for layer, (k, v) in enumerate(zip(self.pk, self.pv)):
+            k[slot, :, :n] = saved[layer, 0]
+            v[slot, :, :n] = saved[layer, 1]
+
     def put_row(self, row: int, saved: torch.Tensor) -> None:
         n = saved.shape[3]
         for layer, (k, v) in enumerate(zip(self.rk, self.rv)):

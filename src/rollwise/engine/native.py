@@ -90,18 +90,22 @@ class NativeEngine:
         self.version = version
         self.stats.publish_seconds += self.decoder.refresh()
         self.admission.evict_idle_prefixes(keep=None)
+        self.admission.retained.clear()
 
     # -- requests --------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams, *, seed: int | None = None,
                resume: Completion | None = None, tag: int = 0, priority: float = 0.0,
                chunk_tokens: int = 0, draft: list[int] | None = None,
-               draft_logprobs: list[float] | None = None, lenience: float | None = None) -> int:
+               draft_logprobs: list[float] | None = None, lenience: float | None = None,
+               keep_kv: bool = False) -> int:
         """Queue one sequence (params.n is ignored: submit n times for a group; identical
         prompts share their prefix). `resume`: a partial Completion (from `abort`) to
         continue. `draft`: a proposed continuation verified in one pass (exact acceptance,
         or SPEC-RL's lenient rule when `lenience` and the draft's `draft_logprobs` are
-        given). Returns the request id."""
+        given). `keep_kv`: a conversation's turn: when it finishes, its keys/values are kept
+        so that a later prompt extending prompt + tokens computes only what is new (see
+        admission.py). Returns the request id."""
         if not prompt:
             raise ValueError("empty prompt")
         done = len(resume.token_ids) if resume is not None else 0
@@ -122,7 +126,8 @@ class NativeEngine:
         group = self.admission.group(key, prompt)
         stops = frozenset() if params.ignore_eos else frozenset(
             params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
-        req = Request(rid, group, params, seed, stops, tag, priority, chunk_tokens)
+        req = Request(rid, group, params, seed, stops, tag, priority, chunk_tokens,
+                      keep_kv=keep_kv)
         if resume is not None:
             req.tokens = list(resume.token_ids)
             req.logprobs = list(resume.logprobs)
@@ -224,18 +229,31 @@ class NativeEngine:
 
     def _prefill(self, groups: list[Group]) -> None:
         start = time.perf_counter()
-        lengths = [len(g.tokens) for g in groups]
-        width = max(lengths)
-        self.cache.ensure_prefix(len(self.admission.slots), width)
-        ids = torch.zeros(len(groups), width, dtype=torch.long)
-        for i, g in enumerate(groups):
-            ids[i, : len(g.tokens)] = torch.tensor(g.tokens)
-        logits = self.decoder.prefill(self.cache, ids.to(self.decoder.device), lengths,
-                                      groups[0].slot)
-        for g, row in zip(groups, logits):
-            g.logits = row
-        self.stats.forward_passes += 1
-        self.stats.prefill_tokens += sum(lengths)
+        plain = [g for g in groups if g.reuse is None]  # their slots come first (admission)
+        if plain:
+            lengths = [len(g.tokens) for g in plain]
+            width = max(lengths)
+            self.cache.ensure_prefix(len(self.admission.slots), width)
+            ids = torch.zeros(len(plain), width, dtype=torch.long)
+            for i, g in enumerate(plain):
+                ids[i, : len(g.tokens)] = torch.tensor(g.tokens)
+            logits = self.decoder.prefill(self.cache, ids.to(self.decoder.device), lengths,
+                                          plain[0].slot)
+            for g, row in zip(plain, logits):
+                g.logits = row
+            self.stats.forward_passes += 1
+            self.stats.prefill_tokens += sum(lengths)
+        for g in groups:  # a conversation's next turn: only the new tokens are computed
+            if g.reuse is None:
+                continue
+            n = g.reuse.shape[3]
+            self.cache.ensure_prefix(len(self.admission.slots), len(g.tokens))
+            self.cache.put_prefix(g.slot, g.reuse)
+            g.logits = self.decoder.prefill_from(self.cache, g.slot, g.tokens[n:], n)
+            g.reuse = None
+            self.stats.forward_passes += 1
+            self.stats.prefill_tokens += len(g.tokens) - n
+            self.stats.reused_tokens += n
         self.stats.prefill_seconds += time.perf_counter() - start
 
     def _decode(self, reqs: list[Request], rows: list[int], emitted: dict[int, int]) -> None:

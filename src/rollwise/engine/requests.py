@@ -25,6 +25,9 @@ class EngineStats:
     preemptions: int = 0
     parks: int = 0  # divided rollout: requests set aside with their cache after a chunk
     peak_kv_tokens: int = 0  # most tokens held in the cache at once
+    reused_tokens: int = 0  # prompt tokens whose keys/values came from a retained conversation
+    retained: int = 0  # finished keep_kv requests whose keys/values were kept
+    retained_evictions: int = 0  # retained conversations dropped for room (not publication)
     spec_verifies: int = 0  # rows verified with a draft
     spec_drafted: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens accepted
@@ -46,6 +49,7 @@ class Group:
     running: int = 0
     slot: int = -1  # prefix slot, -1 while not computed
     logits: torch.Tensor | None = None  # [V] next-token logits after the prompt
+    reuse: torch.Tensor | None = None  # retained keys/values of the prompt's head, to restore
 
 
 @dataclass
@@ -68,6 +72,7 @@ class Request:
     lenience: float | None = None  # None: exact (lossless) acceptance
     parked: torch.Tensor | None = None  # [layers, 2, kv_heads, cached, head_dim] when parked
     zombie: bool = False  # static batching: finished, still occupying its row
+    keep_kv: bool = False  # a conversation: retain the keys/values when it finishes
 
     @property
     def inputs(self) -> int:

@@ -17,10 +17,14 @@ n / b^depth trees; after each of the first `depth` turns every episode forks int
 engine's prefix sharing computes once. An episode that ends before a fork is copied as is
 (the tree's leaves stay n). Each trajectory records its tree.
 
-Prefix reuse (figures): every turn after the first resubmits the history, whose prefix was
-computed by the previous turn; `prefix_reuse_tokens` counts those tokens (what a
-conversation-keeping KV cache saves), `prefix_shared_requests` the requests submitted with
-a prompt identical to a concurrent one (computed once by the engine).
+Prefix reuse: every turn after the first resubmits the history, whose keys/values the
+previous turn computed. With `keep_kv` (the default) each turn that may be followed by
+another is submitted as a conversation turn: the engine keeps its keys/values when it
+finishes and the next turn computes only the observation it appends. Figures:
+`prefix_reuse_tokens` counts the reusable history tokens, `kv_reused_tokens` those the
+engine actually took from a kept cache (fewer when memory pressure or a publication dropped
+it), `prefix_shared_requests` the requests submitted with a prompt identical to a
+concurrent one (tree forks: computed once by the engine's prefix sharing).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class EpisodeFigures:
     prompt_tokens: int = 0  # prompt tokens of every turn's request
     prefix_shared_requests: int = 0  # requests whose prompt equals a concurrent one's
     prefill_tokens: int = 0  # prompt tokens the engine actually computed
+    kv_reused_tokens: int = 0  # history tokens whose keys/values the engine kept from a turn
     truncated_context: int = 0  # episodes ended because the context was full
 
     def __add__(self, other: EpisodeFigures) -> EpisodeFigures:
@@ -68,6 +73,8 @@ class EpisodeFigures:
                 "prefix_reuse_tokens": float(self.prefix_reuse_tokens),
                 "prefix_reuse_frac": self.prefix_reuse_tokens / max(self.prompt_tokens, 1),
                 "prefix_shared_requests": float(self.prefix_shared_requests),
+                "kv_reused_tokens": float(self.kv_reused_tokens),
+                "kv_reuse_frac": self.kv_reused_tokens / max(self.prompt_tokens, 1),
                 "episode_prefill_tokens": float(self.prefill_tokens)}
 
 
@@ -104,7 +111,8 @@ class EpisodeRunner:
     def __init__(self, engine: RequestEngine, params: SamplingParams, make_env: Callable[[], Env],
                  renderer: TurnRenderer, decode: Callable[[list[int]], str], *,
                  max_turns: int = 4, max_context: int = 2048, env_timeout_s: float = 10.0,
-                 branches: int = 1, depth: int = 1, seed: int = 0, env_workers: int = 4):
+                 branches: int = 1, depth: int = 1, keep_kv: bool = True, seed: int = 0,
+                 env_workers: int = 4):
         if branches < 1 or depth < 0:
             raise ValueError(f"branches must be >= 1 and depth >= 0, got {branches}, {depth}")
         self.engine, self.params, self.make_env = engine, replace(params, n=1), make_env
@@ -112,7 +120,7 @@ class EpisodeRunner:
         self.renderer, self.decode, self.max_turns = renderer, decode, max_turns
         self.max_context, self.env_timeout_s = max_context, env_timeout_s
         self.branches, self.depth, self.seed = branches, depth if branches > 1 else 0, seed
-        self.env_workers = env_workers
+        self.env_workers, self.keep_kv = env_workers, keep_kv
         self._round = 0
 
     @property
@@ -198,6 +206,7 @@ class EpisodeRunner:
             pool.shutdown(wait=False, cancel_futures=True)
         s = self.engine.stats
         counts.prefill_tokens = s.prefill_tokens - before.prefill_tokens
+        counts.kv_reused_tokens = s.reused_tokens - before.reused_tokens
         return RolloutFigures(
             makespan_s=time.perf_counter() - start,
             generated_tokens=s.generated_tokens - before.generated_tokens,
@@ -297,8 +306,11 @@ class EpisodeRunner:
                 counts.truncated_context += 1
                 ep.finished = True
                 continue
+            # the last allowed turn has no successor to keep its keys/values for
+            more = self.keep_kv and len(ep.turns) + 1 < self.max_turns
             rid = self.engine.submit(ids, replace(params, max_tokens=budget),
-                                     seed=derive_seed(ep.seed, len(ep.turns)), tag=ep.group)
+                                     seed=derive_seed(ep.seed, len(ep.turns)), tag=ep.group,
+                                     keep_kv=more)
             by_rid[rid] = ep
 
     def _trajectory(self, ep: _Episode, prompt: EncodedPrompt) -> Trajectory:
