@@ -153,6 +153,36 @@ def agents(model: ModelOpt = "tiny", json: JsonOpt = None,
         typer.echo(f"wrote {json} and {page}")
 
 
+@bench_app.command("episodes")
+def episodes(config: Annotated[Path | None, typer.Argument(
+                 help="An environment task's config (default: the tiny model's guess game).")] = None,
+             json: JsonOpt = None,
+             rounds: Annotated[int, typer.Option(help="Rounds; each runs both sides.")] = 3,
+             prompts: Annotated[int, typer.Option(help="Prompts (groups) per round.")] = 8,
+             set_: Annotated[list[str] | None, typer.Option(
+                 "--set", help="Config override.")] = None,
+             threads: ThreadsOpt = 1):
+    """Multi-turn rollouts: the kept KV cache across turns vs recomputing the history."""
+    from rollwise.bench import episodes as be
+
+    overrides = [] if config else ["task.name='guess'", "task.options={high=8, max_guesses=4}",
+                                   "rollout.max_turns=4", "rollout.max_tokens=4"]
+    data = be.run(config, rounds=rounds, prompts=prompts, progress=_say,
+                  overrides=[*overrides, f"run.threads={threads}", *(set_ or [])])
+    print_table(f"Kept KV cache vs recomputed history: {data['model']}, {data['task']}, "
+                f"{data['rollout_dtype']}", data["sides"],
+                ["side", "episodes", "turns", "prompt_tokens", "prefill_tokens",
+                 "kv_reused_tokens", "generated_tokens", "forward_passes", "median_seconds",
+                 "median_prefill_seconds"])
+    typer.echo(f"recomputed / kept wall time: {data['median_recomputed_over_kept_seconds']:.2f}x "
+               f"(median of {rounds}); prefill time "
+               f"{data['median_recomputed_over_kept_prefill_seconds']:.2f}x; same episodes "
+               f"{data['same_episodes']}")
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")
+
+
 @bench_app.command("tail")
 def tail(model: ModelOpt = "tiny", json: JsonOpt = None,
          groups: Annotated[int, typer.Option(help="Groups trained per step (target).")] = 32,

@@ -363,28 +363,40 @@ class Decoder:
         last = x[torch.arange(g, device=x.device), torch.tensor(lengths, device=x.device) - 1]
         return self.logits(last)
 
-    def prefill_from(self, cache: KVCache, slot: int, tokens: list[int], start: int,
-                     ) -> torch.Tensor:
-        """The rest of one prompt whose first `start` tokens are already in prefix slot
-        `slot`: `tokens` at positions start.. attend to those and causally to each other;
-        their keys/values are written after them. Returns the [V] next-token logits."""
-        n = len(tokens)
-        end = start + n
-        ids = torch.tensor([tokens], device=self.device)
-        cos, sin = self.cos[start:end][None, :, None], self.sin[start:end][None, :, None]
-        mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        x = F.embedding(ids, self._w(self.embed))
+    @torch.inference_mode()
+    def prefill_from(self, cache: KVCache, slots: list[int], tokens: list[list[int]],
+                     starts: list[int]) -> torch.Tensor:
+        """The rest of g prompts whose first `starts[i]` tokens are already in prefix slot
+        `slots[i]`: `tokens[i]` at positions starts[i].. attend to those and causally to
+        each other, and their keys/values are written after them. One pass; [g, V] logits."""
+        dev = self.device
+        g, w = len(tokens), max(len(t) for t in tokens)
+        ids = torch.zeros(g, w, dtype=torch.long)
+        for r, t in enumerate(tokens):
+            ids[r, : len(t)] = torch.tensor(t)
+        start = torch.tensor(starts)
+        n = torch.tensor([len(t) for t in tokens])
+        pos = start[:, None] + torch.arange(w)  # [g, w]
+        valid = torch.arange(w)[None] < n[:, None]  # [g, w] real tokens, not padding
+        # padding queries attend like their row's last real token (no unwritten keys)
+        pos = torch.minimum(pos, (start + n - 1)[:, None])
+        end = int((start + n).max())
+        mask = (torch.arange(end)[None, None] <= pos[:, :, None])[:, None].to(dev)  # [g,1,w,E]
+        slot_t = torch.tensor(slots)
+        put = (slot_t[:, None].expand(g, w)[valid].to(dev), pos[valid].to(dev))
+        pos = pos.to(dev)
+        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]
+        x = F.embedding(ids.to(dev), self._w(self.embed))
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)
-            cache.pk[i][slot, :, start:end] = k[0].transpose(0, 1)
-            cache.pv[i][slot, :, start:end] = v[0].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), cache.pk[i][slot: slot + 1, :, :end],
-                cache.pv[i][slot: slot + 1, :, :end], attn_mask=mask, scale=self.scale,
-                enable_gqa=self.rep > 1)
-            x = x + self._lin(o.transpose(1, 2).reshape(1, n, -1), layer.self_attn.o_proj)
+            q, k, v = self._qkv(x, layer, cos, sin)  # k, v: [g, w, kv_heads, head_dim]
+            cache.pk[i][put[0], :, put[1]] = k[valid.to(dev)]
+            cache.pv[i][put[0], :, put[1]] = v[valid.to(dev)]
+            keys, values = cache.pk[i][slot_t, :, :end], cache.pv[i][slot_t, :, :end]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                               scale=self.scale, enable_gqa=self.rep > 1)
+            x = x + self._lin(o.transpose(1, 2).reshape(g, w, -1), layer.self_attn.o_proj)
             x = x + self._mlp(self._rms(x, layer.post_attention_layernorm), layer.mlp)
-        return self.logits(x[:, -1])[0]
+        return self.logits(x[torch.arange(g, device=dev), (n - 1).to(dev)])
 
     def plan(self, rows: list[int], tokens: list[list[int]], own: list[int], slots: list[int],
              prefix_lens: list[int]) -> RowPlan:

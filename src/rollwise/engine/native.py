@@ -243,17 +243,22 @@ class NativeEngine:
                 g.logits = row
             self.stats.forward_passes += 1
             self.stats.prefill_tokens += sum(lengths)
-        for g in groups:  # a conversation's next turn: only the new tokens are computed
-            if g.reuse is None:
-                continue
-            n = g.reuse.shape[3]
-            self.cache.ensure_prefix(len(self.admission.slots), len(g.tokens))
-            self.cache.put_prefix(g.slot, g.reuse)
-            g.logits = self.decoder.prefill_from(self.cache, g.slot, g.tokens[n:], n)
-            g.reuse = None
+        kept = [g for g in groups if g.reuse is not None]
+        if kept:  # a conversation's next turn: only the tokens after the kept cache
+            self.cache.ensure_prefix(len(self.admission.slots), max(len(g.tokens) for g in kept))
+            starts = []
+            for g in kept:
+                self.cache.put_prefix(g.slot, g.reuse)
+                starts.append(g.reuse.shape[3])
+                g.reuse = None
+            logits = self.decoder.prefill_from(self.cache, [g.slot for g in kept],
+                                               [g.tokens[n:] for g, n in zip(kept, starts)],
+                                               starts)
+            for g, row in zip(kept, logits):
+                g.logits = row
             self.stats.forward_passes += 1
-            self.stats.prefill_tokens += len(g.tokens) - n
-            self.stats.reused_tokens += n
+            self.stats.prefill_tokens += sum(len(g.tokens) for g in kept) - sum(starts)
+            self.stats.reused_tokens += sum(starts)
         self.stats.prefill_seconds += time.perf_counter() - start
 
     def _decode(self, reqs: list[Request], rows: list[int], emitted: dict[int, int]) -> None:
