@@ -14,6 +14,10 @@ between the parentheses is the tool's first required argument).
 
 A call that cannot be read (no closing tag, bad JSON, no name) is a `malformed` entry: the
 environment shows the policy an error message and counts it; it never raises.
+
+This is the one reader of tool calls: environments use `parse_tool_calls`, and the
+server (rollwise.serve.text) turns the same `find_tool_calls` spans into OpenAI
+`tool_calls`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL_FORM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\((.*)\)\s*$", re.DOTALL)
@@ -46,6 +50,33 @@ def tool_schema(name: str, description: str, params: dict[str, str]) -> dict:
             k: {"type": "string", "description": v} for k, v in params.items()}}}}
 
 
+class CallSpan(NamedTuple):
+    start: int  # where the opening tag begins in the text
+    end: int  # just after the closing tag (the text's end when there is none)
+    call: ToolCall | None  # None: malformed
+    error: str  # why it is malformed ("" for a call)
+    closed: bool  # False: the text ended inside the call
+
+
+def find_tool_calls(text: str) -> list[CallSpan]:
+    """Every `<tool_call>` span in `text`, in order, read or with the reason it cannot be.
+
+    >>> [(s.call.name, s.closed) for s in find_tool_calls('x <tool_call>f(1)</tool_call>')]
+    [('f', True)]
+    """
+    spans: list[CallSpan] = []
+    pos = 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        end = text.find(CLOSE, start)
+        closed = end >= 0
+        body = text[start + len(OPEN): end if closed else len(text)].strip()
+        pos = end + len(CLOSE) if closed else len(text)
+        call = parse_call(body)
+        spans.append(CallSpan(start, pos, call, "", closed) if isinstance(call, ToolCall)
+                     else CallSpan(start, pos, None, call, closed))
+    return spans
+
+
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     """(the calls in `text`, in order; one message per malformed call).
 
@@ -58,30 +89,28 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     """
     calls: list[ToolCall] = []
     errors: list[str] = []
-    pos = 0
-    while (start := text.find(OPEN, pos)) >= 0:
-        end = text.find(CLOSE, start)
-        if end < 0:
+    for span in find_tool_calls(text):
+        if not span.closed:
             errors.append(f"tool call without {CLOSE}")
-            break
-        body = text[start + len(OPEN): end].strip()
-        pos = end + len(CLOSE)
-        call = _parse_body(body)
-        if isinstance(call, str):
-            errors.append(call)
+        elif span.call is None:
+            errors.append(span.error)
         else:
-            calls.append(call)
+            calls.append(span.call)
     return calls, errors
 
 
-def _parse_body(body: str) -> ToolCall | str:
+def parse_call(body: str) -> ToolCall | str:
+    """One call's text (between the tags, or a whole reply): the call, or why it is not
+    one. JSON takes "arguments" (or Llama 3's "parameters"), as an object or a JSON
+    string of one."""
     if body.startswith("{"):
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as e:
             return f"tool call is not valid JSON ({e.msg})"
-        name, args = obj.get("name") if isinstance(obj, dict) else None, \
-            obj.get("arguments", {}) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            return 'tool call JSON needs {"name": str, "arguments": {...}}'
+        name, args = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)

@@ -2,8 +2,9 @@
 strings, and tool calls parsed back out of the text.
 
 Tool calls use the Hermes format that most open chat templates with tools emit
-(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`); a reply that is one bare JSON
-object with "name" and "arguments" (or "parameters", Llama 3's form) is read as a call too.
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), read by the environments' own
+parser (rollwise.envs.tools); a reply that is one bare JSON object with "name" and
+"arguments" (or "parameters", Llama 3's form) is read as a call too.
 A template that does not mention `tools` (SmolLM2's, the tiny model's) gets the tool
 signatures in a system message that asks for that same format.
 """
@@ -11,18 +12,17 @@ signatures in a system message that asks for that same format.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+from rollwise.envs.tools import ToolCall, find_tool_calls, parse_call
 
 # For tokenizers without a chat template (the tiny model): roles and contents, one per line,
 # in characters the tiny model's vocabulary spells.
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}")
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class BadRequest(ValueError):
@@ -133,39 +133,34 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None,
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content left, OpenAI `tool_calls`) from a reply; malformed calls stay in the content.
+    """(content left, OpenAI `tool_calls`) from a reply; malformed calls (and the short
+    `name(argument)` form environments accept, which names no parameter) stay in the
+    content. A call the reply ended inside counts when its JSON is complete (generation
+    stopped at the closing tag).
 
     >>> content, calls = parse_tool_calls('ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     >>> content, calls[0]["function"]
     ('ok', {'name': 'add', 'arguments': '{"a": 1}'})
     """
     calls, kept, last = [], [], 0
-    for m in _TOOL_CALL.finditer(text):
-        call = _as_call(m.group(1))
-        if call is None:
+    for span in find_tool_calls(text):
+        if span.call is None or "_arg" in span.call.arguments:
             continue
-        kept.append(text[last:m.start()])
-        last = m.end()
-        calls.append(call)
+        kept.append(text[last: span.start])
+        last = span.end
+        calls.append(_openai_call(span.call))
     if not calls:
-        call = _as_call(text.strip()) if text.strip().startswith("{") else None
-        return (None, [call]) if call else (text, [])
+        body = text.strip()
+        call = parse_call(body) if body.startswith("{") else None
+        return (None, [_openai_call(call)]) if isinstance(call, ToolCall) else (text, [])
     kept.append(text[last:])
     content = "".join(kept).strip()
     return content or None, calls
 
 
-def _as_call(raw: str) -> dict | None:
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-        return None
-    args = body.get("arguments", body.get("parameters", {}))
+def _openai_call(call: ToolCall) -> dict:
     return {"id": f"call_{secrets.token_hex(8)}", "type": "function",
-            "function": {"name": body["name"],
-                         "arguments": args if isinstance(args, str) else json.dumps(args)}}
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
 @dataclass
