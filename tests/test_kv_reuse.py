@@ -116,3 +116,28 @@ def test_budget_pressure_evicts_retained_before_parking(model) -> None:
     ids = [ref.submit(p, params, seed=10 + i) for i, p in enumerate(other)]
     want = _run(ref, ids)
     assert [got[r].token_ids for r in rids] == [want[r].token_ids for r in ids]
+
+
+@pytest.mark.precision
+def test_bfloat16_kept_cache_stays_within_the_engines_bfloat16_error(model) -> None:
+    """In bfloat16 the kept keys/values (computed while decoding) and a full prefill round
+    differently, so sampled episodes may part ways at a near-tie; what must hold is that a
+    kept-cache turn's log-probs are as close to a float32 forward of the same tokens as the
+    bfloat16 engine's always are (the 0.05 mean bound of tests/test_precision.py), and
+    that the cache was really reused."""
+    from rollwise.learner.logprobs import token_logprobs
+
+    engine = NativeEngine(model, eos_token_ids=[EOS], dtype="bfloat16")
+    outs, prompts = _converse(engine, keep=True)
+    assert engine.stats.reused_tokens > 0
+    errors = []
+    for turn in range(1, TURNS):
+        for c, prompt in enumerate(prompts[turn]):
+            got = outs[turn][c]
+            ids = torch.tensor([prompt + got.token_ids])
+            mask = torch.zeros(ids.shape)
+            mask[0, len(prompt):] = 1
+            with torch.no_grad():
+                ref = token_logprobs(model, ids, torch.ones_like(ids), mask)[0, len(prompt):]
+            errors += (ref.double() - torch.tensor(got.logprobs, dtype=torch.double)).abs().tolist()
+    assert sum(errors) / len(errors) < 0.05

@@ -61,14 +61,14 @@ def test_raising_nan_and_hanging_rewards_score_zero_and_are_counted(tmp_path) ->
 def test_code_task_trains_through_the_sandbox(tmp_path) -> None:
     summary = rollwise.train(CONFIG, echo=None, overrides=[
         f"run.output_dir='{tmp_path}'", "task.name='pycode'", "task.options={}",
-        "task.num_train=8", *SMALL, "rollout.max_tokens=24"])
+        "task.num_train=8", *SMALL, "rollout.max_tokens=24", "model.tiny.sft_steps=0"])
     assert summary["steps"] == 2
     box = summary["sandbox"]
     assert box["isolation"] in ("bwrap", "unshare", "rlimits")
     assert box["security_boundary"] == (box["isolation"] != "rlimits")
     store = TrajectoryStore(tmp_path / "tiny_arith" / "trajectories.sqlite")
     trajs = store.load_step(1)
-    # the random tiny model writes no function: each rollout scores 0 with the reason noted
+    # the random (not warm-started) tiny model writes no function: each rollout scores 0 with the reason noted
     assert all(t.scores["correct"] == 0.0 for t in trajs)
     assert all(any("sandbox load_error" in e for e in t.reward_errors) for t in trajs)
     assert summary["reward_errors"] == 0 and summary["reward_infra"] == 0

@@ -290,10 +290,13 @@ def test_pool_records_reasons_counts_infra_and_survives() -> None:
 
 
 def test_killing_its_process_group_does_not_reach_ours() -> None:
-    """The sandbox runs in its own session: killing its group never reaches ours."""
+    """The sandbox runs in its own session: killing its group never reaches ours (this
+    test process is still here to see the result) and the code scores 0."""
     result, _ = _run("import os, signal\ndef f(x):\n    os.killpg(0, signal.SIGKILL)\n",
                      detect_isolation())
-    assert result.score == 0.0 and result.status in ("crashed", "cpu_limit")
+    # In a PID namespace (bwrap, unshare) the sandboxed interpreter is the namespace's init,
+    # which the kernel shields from SIGKILL sent inside it: it survives and fails the tests.
+    assert result.score == 0.0 and result.status in ("crashed", "cpu_limit", "failed")
 
 
 def test_concurrency_slots_bound_executions_and_survive_a_killed_holder(monkeypatch) -> None:
