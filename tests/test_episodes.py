@@ -247,3 +247,30 @@ def test_trajectory_store_keeps_the_episode_layout(model):
                 t.loss_mask, t.turns, t.turn_rewards, t.turn_states, t.tree)
             assert u.response_ids == t.response_ids and u.reward == t.reward
     assert store.delete_after(0) == 4 and store.load_groups(1) == []
+
+
+def test_bench_episodes_command_counts_what_the_kept_cache_saves(tmp_path):
+    """`rollwise bench episodes` (tiny guess game, float32): both sides roll out the same
+    episodes; the kept side computes fewer prompt tokens, by exactly what it took from the
+    kept caches, and the JSON and page are written."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from rollwise.cli import app
+
+    out = tmp_path / "episodes.json"
+    result = CliRunner().invoke(app, [
+        "bench", "episodes", "--rounds", "2", "--prompts", "2", "--json", str(out),
+        "--set", "rollout.group_size=4", "--set", "task.num_train=16"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    kept, plain = data["sides"]
+    assert (kept["side"], plain["side"]) == ("kept", "recomputed")
+    assert data["same_episodes"] == "16/16" and kept["turns"] == plain["turns"]
+    assert kept["prompt_tokens"] == plain["prompt_tokens"] and plain["kv_reused_tokens"] == 0
+    # at most the history less each turn's last token; fewer where a group's episodes made
+    # the same moves (identical next prompts share one prefix, and one kept cache)
+    assert 0 < kept["kv_reused_tokens"] <= kept["reusable_tokens"] - (kept["turns"] - kept["episodes"])
+    assert kept["prefill_tokens"] == plain["prefill_tokens"] - kept["kv_reused_tokens"]
+    assert out.with_suffix(".html").is_file()
