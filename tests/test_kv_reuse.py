@@ -99,6 +99,21 @@ def test_publish_drops_retained_kv(model) -> None:
     assert engine.kv_tokens() == 0
 
 
+def test_an_engine_reading_anothers_weights_drops_kept_kv_when_that_one_publishes(model) -> None:
+    """The evaluator's engine reads the rollout engine's weights and is never published
+    itself: its kept conversations must still go when the weights change."""
+    rollout = NativeEngine(model, eos_token_ids=[EOS], dtype="bfloat16")
+    evaluator = NativeEngine(model, eos_token_ids=[EOS], dtype="bfloat16", weights_from=rollout)
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    first = [evaluator.submit(p, params, seed=c, keep_kv=True) for c, p in enumerate(FIRST)]
+    got = _run(evaluator, first)
+    nxt = [p + got[r].token_ids + [50, 51] for p, r in zip(FIRST, first)]
+    rollout.publish(1)
+    _run(evaluator, [evaluator.submit(p, params, seed=c) for c, p in enumerate(nxt)])
+    assert evaluator.stats.retained == len(FIRST) and evaluator.stats.reused_tokens == 0
+    assert evaluator.stats.prefill_tokens == sum(map(len, FIRST)) + sum(map(len, nxt))
+
+
 def test_budget_pressure_evicts_retained_before_parking(model) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=6)
     engine = NativeEngine(model, eos_token_ids=[EOS], kv_budget_tokens=48)

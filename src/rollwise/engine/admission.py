@@ -44,6 +44,7 @@ class Admission:
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
         # finished conversations' keys/values, [layers, 2, kv_heads, n, head_dim], by tokens
         self.retained: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.generation = 0  # the weights' generation the retained keys/values were computed by
 
     # -- the request table -----------------------------------------------------------------
 

@@ -206,6 +206,7 @@ class Decoder:
         self.device = torch.device(device) if device is not None else weight.device
         self.shared = (self.dtype == weight.dtype and self.device == weight.device
                        and not self.int8)
+        self.generation = 0  # publications so far (refresh)
         window = getattr(cfg, "sliding_window", None)
         if not (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
             window = None
@@ -243,7 +244,9 @@ class Decoder:
     @torch.no_grad()
     def refresh(self) -> float:
         """Take the converted copy of the weights (only when not shared): the policy
-        publication's cost; returns seconds."""
+        publication's cost; returns seconds. Counts the publications (`generation`), so
+        that every engine reading these weights can tell keys/values computed before."""
+        self.generation += 1
         if self.shared:
             return 0.0
         start = time.perf_counter()

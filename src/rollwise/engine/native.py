@@ -193,6 +193,11 @@ class NativeEngine:
         self.stats.steps += 1
         emitted: dict[int, int] = {}  # request id -> tokens emitted this step
         adm = self.admission
+        if adm.generation != self.decoder.generation:
+            # new weights (this engine's publication, or that of the engine whose weights it
+            # reads, e.g. the evaluator's): kept conversations were computed by the old ones
+            adm.retained.clear()
+            adm.generation = self.decoder.generation
         self._start(*adm.admit(static), emitted)
         if adm.rows:
             self.verifier.attach_drafts(adm.rows, drafter or self.drafter)
