@@ -158,6 +158,25 @@ def test_staleness_cap_restarts_old_partials_and_counts_them(model) -> None:
             assert all(v == 3 for v in t.versions), "a stale token reached the learner"
 
 
+def test_sync_strategy_runs_one_static_batch_with_the_same_outputs(model) -> None:
+    """`sync` (the static-batch baseline): the scheduler asks the engine for static batching
+    per step; every sequence is what continuous batching samples with the same seeds, but
+    finished rows keep occupying (and computing in) the batch until its longest ends."""
+    params = _params(n=4, temperature=1.0, max_tokens=24)
+    prompts = _prompts(4)
+    cont = RolloutScheduler(_engine(model), params, strategy="continuous").run(prompts)
+    static = RolloutScheduler(_engine(model), params, strategy="sync").run(prompts)
+    got = [[t.response_ids for t in g.trajectories] for g in static.groups]
+    assert got == [[t.response_ids for t in g.trajectories] for g in cont.groups]
+    lengths = [len(t) for g in got for t in g]
+    assert len(set(lengths)) > 1  # lengths differ, so a static batch wastes rows
+    # the first token of each comes from its prompt's prefill; then one batch of all 16
+    # rows computes until the longest ends, where continuous batching computes each row
+    # only while it runs
+    assert static.figures.row_forwards == 16 * (max(lengths) - 1)
+    assert cont.figures.row_forwards == sum(n - 1 for n in lengths) < static.figures.row_forwards
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_grouped_speculation_leaves_outputs_unchanged(model, temperature) -> None:
     """Drafts from siblings are verified with the coupled exact rule: the responses are those

@@ -191,14 +191,13 @@ class NativeEngine:
         admission mode and draft source (None: the engine's own, from construction)."""
         static = self.static_batch if static_batch is None else static_batch
         self.stats.steps += 1
-        emitted: dict[int, int] = {}  # request id -> tokens emitted this step
         adm = self.admission
         if adm.generation != self.decoder.generation:
             # new weights (this engine's publication, or that of the engine whose weights it
             # reads, e.g. the evaluator's): kept conversations were computed by the old ones
             adm.retained.clear()
             adm.generation = self.decoder.generation
-        self._start(*adm.admit(static), emitted)
+        self._start(*adm.admit(static))
         if adm.rows:
             self.verifier.attach_drafts(adm.rows, drafter or self.drafter)
             adm.make_room()
@@ -208,15 +207,14 @@ class NativeEngine:
             if multi and single and len(rows) <= self.verifier.spec_max_batch:
                 multi, single = single + multi, []  # small batch: one pass, a little padding
             if single:
-                self._decode([rows[i] for i in single], single, emitted)
+                self._decode([rows[i] for i in single], single)
             if multi:
-                self.verifier.verify([rows[i] for i in multi], multi, emitted, len(adm.rows))
+                self.verifier.verify([rows[i] for i in multi], multi, len(adm.rows))
         finished = self._retire(static)
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self.kv_tokens())
         return finished
 
-    def _start(self, new_groups: list[Group], fresh: list[Request],
-               emitted: dict[int, int]) -> None:
+    def _start(self, new_groups: list[Group], fresh: list[Request]) -> None:
         """Prefill the newly admitted prompts and draw the first token of fresh requests
         (verifying their draft, if they came with one)."""
         if new_groups:
@@ -226,10 +224,10 @@ class NativeEngine:
         if plain:
             draws = self._draw(plain, torch.stack([r.group.logits for r in plain]))
             for i, (tok, lp) in draws.items():
-                self._emit(plain[i], [tok], [lp], emitted)
+                self._emit(plain[i], [tok], [lp])
         for r in fresh:
             if r.draft:
-                self.verifier.accept(r, r.group.logits[None], emitted)
+                self.verifier.accept(r, r.group.logits[None])
         self.stats.decode_seconds += time.perf_counter() - start
 
     def _prefill(self, groups: list[Group]) -> None:
@@ -266,7 +264,7 @@ class NativeEngine:
             self.stats.reused_tokens += sum(starts)
         self.stats.prefill_seconds += time.perf_counter() - start
 
-    def _decode(self, reqs: list[Request], rows: list[int], emitted: dict[int, int]) -> None:
+    def _decode(self, reqs: list[Request], rows: list[int]) -> None:
         start = time.perf_counter()
         self.cache.ensure_rows(len(self.admission.rows), max(r.cached for r in reqs) + 1)
         plan = self.decoder.plan(rows, [[r.tokens[-1]] for r in reqs], [r.cached for r in reqs],
@@ -279,7 +277,7 @@ class NativeEngine:
         self.stats.row_forwards += len(reqs)
         logits = self.decoder.logits(hidden)
         for idx, (tok, lp) in self._draw(reqs, logits).items():
-            self._emit(reqs[idx], [tok], [lp], emitted)
+            self._emit(reqs[idx], [tok], [lp])
         self.stats.decode_seconds += time.perf_counter() - start
 
     def _draw(self, reqs: list[Request], logits: torch.Tensor) -> dict[int, tuple[int, float]]:
@@ -287,8 +285,7 @@ class NativeEngine:
         settings = [(r.params.temperature, r.params.top_k, r.params.top_p) for r in reqs]
         return draw(logits, settings, [r.seed for r in reqs], [len(r.tokens) for r in reqs])
 
-    def _emit(self, r: Request, tokens: list[int], lps: list[float],
-              emitted: dict[int, int]) -> None:
+    def _emit(self, r: Request, tokens: list[int], lps: list[float]) -> None:
         """Append tokens up to the first stop or the length limit; the last is pending."""
         if r.zombie:  # a finished row of a static batch: it computes on, reporting nothing
             r.tokens.append(tokens[0])
@@ -297,7 +294,6 @@ class NativeEngine:
                 r.tokens.append(t)
                 r.logprobs.append(lp)
                 r.versions.append(self.version)
-                emitted[r.id] = emitted.get(r.id, 0) + 1
                 self.stats.generated_tokens += 1
                 if r.finish_reason(self.max_context) is not None:
                     break

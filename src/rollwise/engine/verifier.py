@@ -23,9 +23,8 @@ from rollwise.engine.sampling import sample_and_score, uniforms
 
 _ACCEPT_STREAM = 0x5DEECE66D  # second uniform stream (lenient acceptance tests)
 
-# The step loop's emit: append (tokens, log-probs) to a request up to its first stop,
-# counting them in the step's {request id: tokens emitted}.
-Emit = Callable[[Request, list[int], list[float], dict[int, int]], None]
+# The step loop's emit: append (tokens, log-probs) to a request up to its first stop.
+Emit = Callable[[Request, list[int], list[float]], None]
 
 
 class DraftVerifier:
@@ -52,8 +51,7 @@ class DraftVerifier:
             room = r.params.max_tokens - len(r.tokens) - 1
             r.draft = list(d[: min(self.spec_tokens, room)]) if room > 0 else []
 
-    def verify(self, reqs: list[Request], rows: list[int], emitted: dict[int, int],
-               resident: int) -> None:
+    def verify(self, reqs: list[Request], rows: list[int], resident: int) -> None:
         """One pass over each row's pending tokens plus its draft; emit what is accepted.
         `rows`: the requests' cache rows; `resident`: how many rows the batch holds."""
         start = time.perf_counter()
@@ -77,10 +75,10 @@ class DraftVerifier:
         logits = self.decoder.logits(hidden[ix[:, 0], ix[:, 1]])
         for r, (s, n) in zip(reqs, spans):
             r.cached = len(r.tokens)  # the pending tokens are now cached
-            self.accept(r, logits[s: s + n], emitted)
+            self.accept(r, logits[s: s + n])
         self.stats.prefill_seconds += time.perf_counter() - start
 
-    def accept(self, r: Request, logits: torch.Tensor, emitted: dict[int, int]) -> None:
+    def accept(self, r: Request, logits: torch.Tensor) -> None:
         """Verify r.draft against `logits` ([len(draft) + 1, V]; [1, V] at admission)."""
         n = logits.shape[0]
         positions = [len(r.tokens) + k for k in range(n)]
@@ -99,4 +97,4 @@ class DraftVerifier:
         r.draft = r.draft[n:] if accepted == n else []
         if r.draft_logprobs is not None:
             r.draft_logprobs = r.draft_logprobs[n:] if r.draft else None
-        self.emit(r, out, lps, emitted)
+        self.emit(r, out, lps)
