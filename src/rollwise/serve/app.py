@@ -267,6 +267,18 @@ def build_app(server: RolloutServer) -> FastAPI:
                   openapi_url=None)
     app.add_middleware(BodyLimit, limit=server.limits.max_body_bytes)
 
+    _error_handlers(app)
+    auth = [Depends(_authorizer(server))]
+    _info_routes(app, server, auth)
+    _generation_routes(app, server, auth)
+    _rollout_routes(app, server, auth)
+    _episode_routes(app, server, auth)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every refusal is an OpenAI-style error body with a 4xx (5xx: the engine failed)."""
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
@@ -300,6 +312,10 @@ def build_app(server: RolloutServer) -> FastAPI:
         kind = "invalid_request_error" if e.status < 500 else "server_error"
         return JSONResponse(_error_body(str(e), kind), status_code=e.status)
 
+
+def _authorizer(server: RolloutServer):
+    """The dependency that checks `Authorization: Bearer KEY` when the server has a key."""
+
     async def authorize(request: Request) -> None:
         if server.api_key is None:
             return
@@ -310,8 +326,10 @@ def build_app(server: RolloutServer) -> FastAPI:
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
                            kind="authentication_error")
 
-    auth = [Depends(authorize)]
+    return authorize
 
+
+def _info_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -330,6 +348,10 @@ def build_app(server: RolloutServer) -> FastAPI:
                 "served_requests": server.served_requests,
                 "recorded_calls": server.episodes.calls,
                 "limits": dataclasses.asdict(server.limits), "max_context": server.max_context}
+
+
+def _generation_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
+    """/v1/chat/completions and /v1/completions, streamed or whole."""
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatBody, request: Request):
@@ -393,10 +415,6 @@ def build_app(server: RolloutServer) -> FastAPI:
         if len(prompts) == 1:
             out["prompt_token_ids"] = prompts[0]
         return out
-
-    _rollout_routes(app, server, auth)
-    _episode_routes(app, server, auth)
-    return app
 
 
 async def _unless_gone(request: Request, coros: list) -> list[ChoiceResult]:
