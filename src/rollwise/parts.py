@@ -75,6 +75,13 @@ def reward_timeout(cfg: Config, task: Task) -> float:
     return max(cfg.task.reward_timeout_s, task.reward_timeout_s or 0.0)
 
 
+def build_sampling(cfg: Config) -> SamplingParams:
+    """A training rollout's sampling settings: a group of `group_size` per prompt."""
+    r = cfg.rollout
+    return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                          top_k=r.top_k, max_tokens=r.max_tokens)
+
+
 def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
                         scorer: Callable, fetch: Callable | None = None,
                         task: Task | None = None) -> RolloutStage:
@@ -84,8 +91,7 @@ def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
     r = cfg.rollout
     engine = build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
                            precision.rollout, spec_tokens=r.spec_tokens)
-    sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, max_tokens=r.max_tokens)
+    sampling = build_sampling(cfg)
     if task is not None and task.env is not None:
         return RolloutStage(engine, sampling, policy.decode, keep_env_rewards,
                             episodes=build_episode_runner(cfg, engine, sampling, policy, task))

@@ -28,6 +28,7 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: li
         build_episode_runner,
         build_policy,
         build_precision,
+        build_sampling,
         build_task,
     )
     from rollwise.runtime import configure as configure_runtime
@@ -42,10 +43,7 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: li
     policy = build_policy(cfg, task)
     precision = build_precision(cfg, policy)
     encoded, _ = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
-    from rollwise.engine import SamplingParams
-
-    sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, max_tokens=r.max_tokens)
+    sampling = build_sampling(cfg)
     per_side: dict[str, list[dict[str, float]]] = {s: [] for s in SIDES}
     same = total = 0
     for k in range(rounds):

@@ -19,7 +19,8 @@ and of its cached tokens are copied aside ("retained"), keyed by those tokens. A
 whose prompt extends a retained key (the next turn: history + sampled tokens + observation)
 takes that copy into its prefix slot and is prefilled from where it ends. Retained tokens
 count in the budget and are the first to go under pressure (least recently retained first,
-before idle prompts and before parking); a publication drops them (new weights).
+before idle prompts and before parking); new weights drop them (`follow_weights`: also
+when the weights are another engine's, as the evaluator's are the rollout engine's).
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class Admission:
         if best is not None:
             kv = self.retained.pop(best)
             g.reuse = kv[:, :, :, : min(n, len(g.tokens) - 1)]
+
+    def follow_weights(self, generation: int) -> None:
+        """The weights are at `generation` (their publications so far): retained keys and
+        values computed by earlier weights are dropped."""
+        if generation != self.generation:
+            self.retained.clear()
+            self.generation = generation
 
     def evict_retained(self) -> int:
         """Drop the oldest retained conversation; the tokens freed (0 when none)."""

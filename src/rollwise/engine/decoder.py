@@ -387,13 +387,13 @@ class Decoder:
         mask = (torch.arange(end)[None, None] <= pos[:, :, None])[:, None].to(dev)  # [g,1,w,E]
         slot_t = torch.tensor(slots)
         put = (slot_t[:, None].expand(g, w)[valid].to(dev), pos[valid].to(dev))
-        pos = pos.to(dev)
+        pos, valid = pos.to(dev), valid.to(dev)
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]
         x = F.embedding(ids.to(dev), self._w(self.embed))
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)  # k, v: [g, w, kv_heads, head_dim]
-            cache.pk[i][put[0], :, put[1]] = k[valid.to(dev)]
-            cache.pv[i][put[0], :, put[1]] = v[valid.to(dev)]
+            cache.pk[i][put[0], :, put[1]] = k[valid]
+            cache.pv[i][put[0], :, put[1]] = v[valid]
             keys, values = cache.pk[i][slot_t, :, :end], cache.pv[i][slot_t, :, :end]
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                scale=self.scale, enable_gqa=self.rep > 1)

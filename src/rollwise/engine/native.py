@@ -90,7 +90,7 @@ class NativeEngine:
         self.version = version
         self.stats.publish_seconds += self.decoder.refresh()
         self.admission.evict_idle_prefixes(keep=None)
-        self.admission.retained.clear()
+        self.admission.follow_weights(self.decoder.generation)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -192,11 +192,7 @@ class NativeEngine:
         static = self.static_batch if static_batch is None else static_batch
         self.stats.steps += 1
         adm = self.admission
-        if adm.generation != self.decoder.generation:
-            # new weights (this engine's publication, or that of the engine whose weights it
-            # reads, e.g. the evaluator's): kept conversations were computed by the old ones
-            adm.retained.clear()
-            adm.generation = self.decoder.generation
+        adm.follow_weights(self.decoder.generation)  # published here or by the weights' owner
         self._start(*adm.admit(static))
         if adm.rows:
             self.verifier.attach_drafts(adm.rows, drafter or self.drafter)
