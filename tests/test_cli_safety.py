@@ -9,8 +9,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from rollwise.cli import app, config_changes, os_error_message
+from rollwise.cli import app, os_error_message
 from rollwise.config import load_config, to_toml
+from rollwise.launch import config_changes
 from rollwise.runlock import RunLock
 from test_cli import QUICK, ROOT, rollwise
 

@@ -13,51 +13,51 @@ A function marked with `@rollwise.group_reward` is a group term instead:
 
 The same functions can be named in a config by import path instead
 (`task.rewards = {"mypkg.rewards:short" = 1.0}`), which is what makes a run resumable from
-its directory alone (`rollwise train --resume RUN_DIR`): a callable passed here is not
-recorded in config.toml, so a run started here is resumed here, with the same functions
-and `resume=True` (docs/extending.md).
+its directory alone (`rollwise train --resume RUN_DIR`): a callable passed here cannot be
+named in config.toml (run.json records its name), so a run started here is resumed here,
+with the same functions and `resume=True`; `rollwise train --resume` refuses it, naming
+the functions it lacks (docs/extending.md).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollwise.config import Config, ConfigError, load_config, to_toml
+from rollwise.config import Config, ConfigError, load_config
 
 
 def train(config: Config | str | Path, *,
           rewards: Sequence[Callable] | Mapping[str, Callable] = (),
           weights: Mapping[str, float] | None = None, overrides: Sequence[str] = (),
-          resume: bool = False, echo: Callable[[str], None] | None = print) -> dict[str, Any]:
+          resume: bool | str | Path = False, allow_changes: bool = False,
+          echo: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Train as `rollwise train` does and return the run's summary. `rewards`: extra
     verifiers `(completion: str, sample: Sample) -> float`, added to the config's
     task.rewards under their names (a function's `__name__` for a list) with weight 1 or
-    `weights[name]`; functions marked `@rollwise.group_reward` are group terms. `overrides`:
-    "a.b=c" strings, as `--set` takes. `resume`: continue the run in run.output_dir/run.name
-    from its last checkpoint (pass the same functions). Raises ConfigError naming the
-    problem (a name taken, a function whose signature does not fit)."""
-    from rollwise.build import build_run, run_steps
-    from rollwise.loop import train as train_loop
-    from rollwise.rundir import Run
+    `weights[name]`; functions marked `@rollwise.group_reward` are group terms (their
+    options in task.reward_options, by name). `overrides`: "a.b=c" strings, as `--set`
+    takes. `resume`: continue a run from its last checkpoint, given the same functions:
+    True for the one in run.output_dir/run.name, or its directory. `allow_changes`: as
+    `--allow-changes`. Raises ConfigError naming the problem (a name taken, a function
+    whose signature or options do not fit, a change to a resumed run) before the model
+    loads. A resumed run that already finished returns its summary, touching nothing."""
+    from rollwise.launch import RunFinished, open_run, train_run
 
     cfg = config if isinstance(config, Config) else load_config(config, list(overrides))
     extra = _reward_terms(cfg, rewards, dict(weights or {}))
-    root = Path(cfg.run.output_dir) / cfg.run.name
-    stages = build_run(cfg, rewards=extra)
-    run = Run(root, resume=resume, config_toml=to_toml(cfg),
-              echo=echo or (lambda s: None), keep_checkpoints=cfg.run.keep_checkpoints)
-    run.summary.update({"model": cfg.model.name, "task": cfg.task.name, **stages.info,
-                        "python_rewards": sorted(extra)})
+    root = None if resume is False else (
+        Path(cfg.run.output_dir) / cfg.run.name if resume is True else Path(resume))
+    say = echo or (lambda s: None)
     try:
-        return train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
-                          eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
-                          checkpoint_seconds=cfg.run.checkpoint_minutes * 60,
-                          steps=run_steps(cfg))
-    finally:
-        if hasattr(stages, "shutdown"):  # the Ray backend's actors
-            stages.shutdown()
+        opened = open_run(cfg, resume=root, rewards=extra, allow_changes=allow_changes,
+                          echo=say)
+    except RunFinished as done:
+        say(str(done))
+        return json.loads((done.root / "summary.json").read_text())
+    return train_run(opened)
 
 
 def _reward_terms(cfg: Config, rewards, weights: dict[str, float]

@@ -49,7 +49,8 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None,
     built policy to use instead of building one (a Ray actor receives the driver's)."""
     from rollwise.preflight import check_config
 
-    check_config(cfg)  # names and devices, before the model loads
+    # names, options and devices, before the model loads
+    check_config(cfg, {name: fn for name, (fn, _) in (rewards or {}).items()})
     configure_runtime(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
     t = cfg.task

@@ -3,17 +3,39 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Annotated
 
 import rich
 import typer
+from typer.core import TyperGroup
 
-from rollwise.config import Config, ConfigError, load_config, to_toml
+from rollwise.config import ConfigError, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+
+def _tidy_help(command) -> None:
+    """Help that reads well in its tables: a flag (`--help` too) shows no `<bool>` value,
+    and a command's line in its group's table is its whole first paragraph on one line
+    (the docstring's own line breaks would cut it mid-sentence)."""
+    helper = command.get_help_option(typer.Context(command))
+    for param in [*command.params, helper]:
+        if param is not None and getattr(param, "is_flag", False):
+            param.metavar = ""
+    if command.help and not command.short_help:
+        command.short_help = " ".join(command.help.split("\n\n")[0].split())
+    for sub in getattr(command, "commands", {}).values():
+        _tidy_help(sub)
+
+
+class _Group(TyperGroup):
+    """The `rollwise` command group: every command's help is tidied before it parses."""
+
+    def main(self, *args, **kwargs):
+        _tidy_help(self)
+        return super().main(*args, **kwargs)
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_Group,
                   help="RL post-training of language models with verifiable rewards.")
 console = rich.get_console()  # the console progress bars draw on
 SET_HELP = "Override a config key, e.g. --set rollout.temperature=0.7 (repeatable)."
@@ -26,28 +48,6 @@ def _bench_app() -> typer.Typer:
 
 
 app.add_typer(_bench_app(), name="bench")
-
-
-def _claim_run_dir(cfg: Config):
-    """(runs/<name>, its lock): an existing run is kept and a numbered sibling created, or,
-    with run.overwrite, emptied (refused while another process holds it). Called only once
-    the config has passed every check and the model has loaded."""
-    from rollwise.runlock import RunLock
-
-    base = Path(cfg.run.output_dir) / cfg.run.name
-    if cfg.run.overwrite and base.is_dir():
-        lock = RunLock(base)
-        for child in base.iterdir():
-            if child.name != ".lock":
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
-        return base, lock
-    root, n = base, 2
-    while True:  # mkdir is the atomic claim: two runs of one name get two directories
-        try:
-            root.mkdir(parents=True)
-            return root, RunLock(root)
-        except FileExistsError:
-            root, n = base.with_name(f"{base.name}-{n}"), n + 1
 
 
 def _fail(message: str, code: int = 2):
@@ -73,41 +73,6 @@ def os_error_message(e: OSError, root: Path | None = None) -> str:
     return f"{e.strerror or type(e).__name__}{where}{resume}"
 
 
-FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.checkpoint_every",
-                  "run.checkpoint_minutes", "run.keep_checkpoints", "run.loggers", "run.device",
-                  "eval.", "health.")
-# where the stages run, not what they compute (group numbering makes the samples the same)
-FREE_TO_CHANGE += ("run.backend", "run.ray_address", "rollout.num_workers",
-                   "rollout.worker_cpus")
-
-
-def config_changes(old: Config, new: Config) -> dict[str, tuple]:
-    """{dotted key: (old, new)} of the values that differ."""
-    from rollwise.config import flatten
-
-    a, b = flatten(old.model_dump()), flatten(new.model_dump())
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not isinstance(a.get(k, b.get(k)), dict)}
-
-
-def _resume_config(resume: Path, config: Path | None, set_: list[str],
-                   allow_changes: bool) -> tuple[Config, dict]:
-    """The config a resumed run continues with, and what changed from the stored one.
-    Changes to what the finished steps used (model, task, algorithm, ...) are refused
-    unless `allow_changes`: the resumed run would silently be a different experiment."""
-    if not (resume / "config.toml").is_file():
-        _fail(f"--resume {resume}: not a run directory (no config.toml)")
-    stored = load_config(resume / "config.toml")
-    cfg = load_config(config or resume / "config.toml", set_)
-    changes = config_changes(stored, cfg)
-    binding = [k for k in changes if not k.startswith(FREE_TO_CHANGE)]
-    if binding and not allow_changes:
-        shown = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in binding[:5])
-        _fail(f"--resume {resume}: these changes alter what the finished steps used: {shown}; "
-              "add --allow-changes to continue anyway (the change is recorded in summary.json)")
-    return cfg, changes
-
-
 @app.command()
 def train(config: Annotated[Path | None, typer.Argument(help="TOML config file.")] = None,
           set_: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None,
@@ -117,15 +82,19 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
               "the finished steps used (recorded in summary.json).")] = False):
     """Train a policy with GRPO on a task; writes a run directory with metrics and report."""
     from rollwise.health import RunUnhealthy
+    from rollwise.launch import RunFinished, train_run
     from rollwise.runlock import RunLockedError
 
     root = None
     try:
         try:
-            cfg, root, opened = _open_run(config, set_ or [], resume, allow_changes)
+            root, opened = _open_run(config, set_ or [], resume, allow_changes)
+        except RunFinished as done:
+            console.print(str(done), highlight=False, soft_wrap=True)
+            return
         except (ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:
             _fail(str(e))
-        summary = _train(cfg, opened)
+        summary = train_run(opened)
     except RunLockedError as e:
         _fail(str(e))
     except RunUnhealthy as e:
@@ -142,86 +111,31 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
     # line warns only when a quarter of the steps or more had a problem
     warn = (f" | WARNING: {problems} of {steps} steps learned nothing (see the step lines)"
             if problems and 4 * problems >= max(steps, 1) else "")
+    # soft_wrap: a long line is not broken at the console width (a "|" left at a line's end)
     console.print(f"[bold green]done[/]: held-out greedy accuracy {change} in "
                   f"{summary['train_seconds']:.0f}s of training ({summary['steps']} steps) | "
-                  f"run: {root} | report: {summary['report']}{warn}", highlight=False)
+                  f"run: {root} | report: {summary['report']}{warn}", highlight=False,
+                  soft_wrap=True)
 
 
 def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_changes: bool):
-    """Validate, build the stages (the model loads), then claim and open the run directory;
-    (cfg, root, (stages, Run)). Nothing on disk changes before the config has passed."""
-    from rollwise.build import build_run
-    from rollwise.health import HealthCheck
-    from rollwise.observe.loggers import check_loggers, make_loggers
-    from rollwise.preflight import check_config
-    from rollwise.rundir import Run
-    from rollwise.runlock import RunLock
+    """The config, then `launch.open_run`: every check, the model, the run directory;
+    (root, opened). Nothing on disk changes before the config has passed."""
+    from rollwise.launch import open_run
 
-    changes: dict = {}
     if resume is not None:
-        cfg, changes = _resume_config(resume, config, set_, allow_changes)
-        root = resume
+        if not (resume / "config.toml").is_file():
+            _fail(f"--resume {resume}: not a run directory (no config.toml)")
+        cfg = load_config(config or resume / "config.toml", set_)
     else:
         if config is None:
             _fail("give a config file, e.g. rollwise train configs/tiny_arith.toml")
         cfg = load_config(config, set_)
-        root = Path(cfg.run.output_dir) / cfg.run.name
-        _check_output_dir(Path(cfg.run.output_dir))
-    check_config(cfg)
-    check_loggers(cfg.run.loggers)  # a missing extra is named before the model loads
-    lock = RunLock(root) if resume is not None else None  # refuse a live run before loading
-    console.print(f"[bold]rollwise[/] {cfg.run.name}: model {cfg.model.name}, task "
-                  f"{cfg.task.name}, {cfg.run.num_steps} steps -> "
-                  f"{root if resume is not None else Path(cfg.run.output_dir)}", highlight=False)
-    stages = build_run(cfg)
-    console.print(stages.info["precision_line"], highlight=False, soft_wrap=True)
-    if "sandbox" in stages.info:  # code tasks: what isolates model-written code here
-        box = stages.info["sandbox"]
-        console.print(f"sandbox: {box['isolation']}"
-                      + ("" if box["security_boundary"] else " (limits only: NOT a security "
-                         "boundary, docs/rewards.md)"), highlight=False,
-                      style=None if box["security_boundary"] else "yellow")
-    if lock is None:
-        root, lock = _claim_run_dir(cfg)
-    loggers = make_loggers(cfg.run.loggers, root, cfg.run.name, cfg.model_dump(),
-                           echo=lambda s: console.print(s, style="yellow", highlight=False))
-    echo = lambda s: console.print(s, highlight=False, soft_wrap=True)
-    run = Run(root, resume=resume is not None, config_toml=to_toml(cfg), lock=lock, echo=echo,
-              keep_checkpoints=cfg.run.keep_checkpoints, loggers=loggers,
-              health=HealthCheck(cfg.health.patience, cfg.health.max_loss, cfg.health.max_kl))
-    run.summary.update({"model": cfg.model.name, "task": cfg.task.name, **stages.info})
-    run.config_changes = {k: list(v) for k, v in changes.items()}
-    skipped = stages.info["skipped_train_prompts"] + stages.info["skipped_eval_prompts"]
-    if skipped:
-        console.print(f"skipped {skipped} prompts longer than the context "
-                      f"budget (counted in summary.json)", style="yellow")
-    return cfg, root, (stages, run)
-
-
-def _check_output_dir(out: Path) -> None:
-    """Fail now, not after the model has loaded, when runs cannot be created under `out`."""
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"run.output_dir = '{out}': {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.output_dir = '{out}': {existing} is not writable")
-
-
-def _train(cfg: Config, opened) -> dict:
-    from rollwise.build import run_steps
-    from rollwise.loop import train as train_loop
-
-    stages, run = opened
-    try:
-        return train_loop(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
-                          eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
-                          checkpoint_seconds=cfg.run.checkpoint_minutes * 60,
-                          steps=run_steps(cfg))
-    finally:
-        if hasattr(stages, "shutdown"):  # the Ray backend's actors
-            stages.shutdown()
+    opened = open_run(cfg, resume=resume, allow_changes=allow_changes,
+                      echo=lambda s: console.print(s, highlight=False, soft_wrap=True),
+                      warn=lambda s: console.print(s, style="yellow", highlight=False,
+                                                   soft_wrap=True))
+    return opened.root, opened
 
 
 @app.command("eval")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -501,17 +502,47 @@ def validate_config(raw: dict, source: dict[str, str] | None = None) -> Config:
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+            "\r": "\\r"}
+
+
+def _toml_string(text: str) -> str:
+    r"""A TOML basic string: quotes, backslashes and control characters escaped.
+
+    >>> print(_toml_string('a "b"\n'))
+    "a \"b\"\n"
+    """
+    def escape(c: str) -> str:
+        if c in _ESCAPES:
+            return _ESCAPES[c]
+        return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+
+    return '"' + "".join(escape(c) for c in text) + '"'
+
+
+def _toml_key(key: str) -> str:
+    """A bare key where TOML allows one, else a quoted one (an import path such as
+    `mypkg.rewards:brief` has a dot and a colon, which a bare key cannot hold).
+
+    >>> _toml_key("correct"), _toml_key("mypkg.rewards:brief")
+    ('correct', '"mypkg.rewards:brief"')
+    """
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+        return "{ " + ", ".join(f"{_toml_key(str(k))} = {_toml_value(x)}"
+                                for k, x in v.items()) + " }"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
@@ -523,7 +554,8 @@ def to_toml(cfg: Config) -> str:
         scalars = {k: v for k, v in data.items() if not isinstance(v, dict) or (
             tuple(name.split(".")) + (k,) in _FREE_TABLES)}
         out.append(f"[{name}]")
-        out.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items() if v is not None)
+        out.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()
+                   if v is not None)
         out.append("")
         for k, v in data.items():
             if k not in scalars:

@@ -188,20 +188,26 @@ def build_group_terms(cfg: Config, rewards: dict[str, tuple[Callable, float]]) -
     t, a = cfg.task, cfg.algorithm
     terms = [GroupTerm(name, get_group_reward(name), w, dict(t.reward_options.get(name, {})))
              for name, w in t.rewards.items() if is_group_term(name)]
-    terms += [GroupTerm(name, fn, w) for name, (fn, w) in rewards.items() if is_group_term(fn)]
+    terms += [GroupTerm(name, fn, w, dict(t.reward_options.get(name, {})))
+              for name, (fn, w) in rewards.items() if is_group_term(fn)]
     if a.overlong_buffer > 0:
         terms.append(GroupTerm("overlong", get_group_reward("overlong"), a.overlong_penalty,
                                {"max_tokens": cfg.rollout.max_tokens, "buffer": a.overlong_buffer}))
     return terms
 
 
+def allocator_options(cfg: Config) -> dict:
+    """The control options offered to the allocator's constructor (it takes those it names;
+    the rest configure the controller and the posterior book)."""
+    return cfg.control.model_dump(exclude={"allocator", "explore", "prior", "decay_fast",
+                                           "decay_slow", "stale_after"})
+
+
 def build_control(cfg: Config, sampler: UniformSampler) -> Controller:
     c, r = cfg.control, cfg.rollout
     book = PosteriorBook(prior=c.prior, decay_fast=c.decay_fast, decay_slow=c.decay_slow,
                          stale_after=c.stale_after)
-    options = c.model_dump(exclude={"allocator", "explore", "prior", "decay_fast", "decay_slow",
-                                    "stale_after"})
-    return Controller(sampler.items, make_allocator(c.allocator, **options), book,
+    return Controller(sampler.items, make_allocator(c.allocator, **allocator_options(cfg)), book,
                       prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                       explore=c.explore, seed=cfg.run.seed, sampler=sampler)
 

@@ -8,15 +8,24 @@ directory is created, or replaced, only after they pass).
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rollwise.config import Config, ConfigError
+from rollwise.registry import options_misfit
+
+# What the controller calls on an allocator (docs/extending.md, rollwise/control/allocators.py)
+ALLOCATOR_METHODS = ("plan", "observe", "train_groups", "max_rollouts", "state_dict",
+                     "load_state_dict")
 
 
-def check_config(cfg: Config) -> None:
-    """Raise ConfigError naming the key of the first problem found."""
+def check_config(cfg: Config, functions: Mapping[str, Callable] | None = None) -> None:
+    """Raise ConfigError naming the key of the first problem found. `functions`: reward
+    terms passed from Python (`rollwise.train(rewards=...)`), by name, whose options
+    task.reward_options may hold."""
     _check_algorithms(cfg)
-    _check_rewards(cfg)
+    _check_rewards(cfg, dict(functions or {}))
     _check_allocator(cfg)
     _check_task_and_model(cfg)
     _check_combinations(cfg)
@@ -40,32 +49,69 @@ def _check_algorithms(cfg: Config) -> None:
     _known("algorithm.kl_estimator", a.kl_estimator, kl_estimators, "KL estimator")
     if a.correction not in ("none", "auto"):  # auto: rollwise.precision decides
         _known("algorithm.correction", a.correction, corrections, "correction")
+    from rollwise.algos.advantages import INPUTS
+
+    problem = options_misfit(advantage_estimators.get(a.advantage), a.advantage_options,
+                             passes=advantage_estimators.takes, inputs=INPUTS)
+    if problem:
+        raise ConfigError(f"algorithm.advantage_options: advantage estimator "
+                          f"{a.advantage!r}: {problem}")
 
 
-def _check_rewards(cfg: Config) -> None:
+def _check_rewards(cfg: Config, functions: dict[str, Callable]) -> None:
+    """Every term of task.rewards is known and fits its signature; every table of
+    task.reward_options belongs to a group term (of the config or from Python) and holds
+    only options its function takes."""
     from rollwise.rewards.group import GROUP_REWARDS, is_group_term
     from rollwise.rewards.verifiers import VERIFIERS
     from rollwise.types import CORRECT
 
     t = cfg.task
+    groups: dict[str, Callable] = {}  # name -> function of every group term
     for name in t.rewards:  # the task's own verifier, a group term, or a verifier
         if name in (CORRECT, "judge"):  # the judge: checked by build, with one request
             continue
         if is_group_term(name):
             _known(f"task.rewards.{name}", name, GROUP_REWARDS)
+            groups[name] = GROUP_REWARDS.get(name)
         else:
             _known(f"task.rewards.{name}", name, VERIFIERS)
+    groups |= {name: fn for name, fn in functions.items() if is_group_term(fn)}
     for name in t.reward_options:
-        if not is_group_term(name):
+        if name not in groups:
+            terms = [*t.rewards, *functions]
+            close = difflib.get_close_matches(name, terms, n=1)
+            what = ("a verifier (only group terms take options)" if name in terms else
+                    "no reward term" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise ConfigError(f"task.reward_options.{name}: options apply to group reward "
                               f"terms ({', '.join(sorted(GROUP_REWARDS))}, or a function marked "
-                              f"with rollwise.group_reward); '{name}' is not one")
+                              f"with rollwise.group_reward); '{name}' is {what}")
+    for name, fn in groups.items():
+        problem = options_misfit(fn, t.reward_options.get(name, {}),
+                                 passes=GROUP_REWARDS.takes)
+        if problem:
+            raise ConfigError(f"task.reward_options.{name}: group reward {name!r}: {problem}")
 
 
 def _check_allocator(cfg: Config) -> None:
+    """The allocator is known; a class of the user's has the methods the controller calls
+    and a constructor the control options can fill."""
     from rollwise.control.allocators import ALLOCATORS
+    from rollwise.parts import allocator_options
+    from rollwise.registry import accepted_options
 
-    _known("control.allocator", cfg.control.allocator, ALLOCATORS)
+    name = cfg.control.allocator
+    _known("control.allocator", name, ALLOCATORS)
+    cls = ALLOCATORS.get(name)
+    missing = [m for m in ("name", *ALLOCATOR_METHODS) if not hasattr(cls, m)]
+    if missing:
+        raise ConfigError(f"control.allocator: allocator {name!r} lacks {', '.join(missing)}; "
+                          f"an allocator class has a name and the methods "
+                          f"{', '.join(ALLOCATOR_METHODS)} (docs/extending.md)")
+    problem = options_misfit(cls, accepted_options(cls, allocator_options(cfg)))
+    if problem:
+        raise ConfigError(f"control.allocator: allocator {name!r}: {problem} (an allocator's "
+                          "constructor takes control options by name)")
 
 
 def _check_task_and_model(cfg: Config) -> None:

@@ -56,6 +56,45 @@ def accepted_options(fn: Callable, options: Mapping[str, Any]) -> dict[str, Any]
     return {k: v for k, v in options.items() if k in params}
 
 
+def options_misfit(fn: Callable, options: Mapping[str, Any], *, passes: tuple[str, ...] = (),
+                   inputs: tuple[str, ...] = ()) -> str | None:
+    """Why `fn` cannot take the keyword `options` (a config's options table), or None.
+    `passes`: the positional arguments rollwise gives it first; `inputs`: keywords rollwise
+    fills itself when the signature names them (they are not options). Wrong: an option it
+    has no parameter for (with the closest one it has), an option naming an input, or a
+    parameter without a default that neither an option nor an input fills.
+
+    >>> def term(trajectories, *, limit: int, scale: float = 1.0): ...
+    >>> options_misfit(term, {"limt": 6}, passes=("trajectories",))
+    "no option 'limt' (did you mean 'limit'?); its options: limit, scale"
+    >>> options_misfit(term, {}, passes=("trajectories",))
+    "option 'limit' has no default and is not set; its options: limit, scale"
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature: trust them
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    taken = {p.name for p in positional[: len(passes)]}
+    named = [p for p in params if p.kind in keyword and p.name not in taken]
+    own = [p.name for p in named if p.name not in inputs]
+    listed = f"; its options: {', '.join(own)}" if own else "; it takes no options"
+    for option in options:
+        if option in inputs:
+            return f"option {option!r} is an input rollwise passes itself, not an option"
+        if option not in own and not any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                         for p in params):
+            close = difflib.get_close_matches(option, own, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"no option {option!r}{hint}{listed}"
+    for p in named:
+        if p.default is inspect.Parameter.empty and p.name not in options \
+                and p.name not in inputs:
+            return f"option {p.name!r} has no default and is not set{listed}"
+    return None
+
+
 def accepts(fn: Callable, name: str) -> bool:
     """Whether `fn` takes keyword `name` (by name, or through **kwargs)."""
     return name in accepted_options(fn, {name: None})

@@ -6,6 +6,9 @@
     runs/<name>/checkpoints/step_N/  weights, optimizer, RNG and data-cursor state
     runs/<name>/summary.json         final figures (eval_before, eval_after, train_seconds, ...)
     runs/<name>/report.html          plots
+    runs/<name>/run.json             what config.toml cannot hold: the reward functions a
+                                     run from Python was started with (by name), and the
+                                     ids of its logger runs (a resumed run continues them)
     runs/<name>/.lock                held (flock) by the one process writing the run
 
 What makes a resumed run equal an uninterrupted one: at the end of every step (inside the
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import shutil
 import signal
 import statistics
 import time
@@ -45,8 +49,9 @@ from rollwise.observe import (
 from rollwise.observe.progress import ProgressHandle
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
+from rollwise.rewards.pool import NOTE
 from rollwise.runlock import RunLock
-from rollwise.types import Group
+from rollwise.types import CORRECT, Group, Trajectory
 
 
 def capacity(record: dict, phases: dict[str, float], seconds: float,
@@ -65,6 +70,81 @@ def capacity(record: dict, phases: dict[str, float], seconds: float,
         + record.get("weights_load_seconds", 0.0),
         "queue_depth": record.get("queue_depth", 0),
     }
+
+
+def reward_terms(trajs: list[Trajectory]) -> dict[str, Any]:
+    """Each reward term apart (docs/metrics.md): `reward_terms` {term: mean score over the
+    trajectories it scored, before its weight}, `reward_term_errors` {term: calls that
+    failed: raised, returned a non-number, timed out, or whose infrastructure failed; a
+    verifier's notes are not failures}, and `accuracy`, the share whose `correct` term
+    scored 1, only when the rewards have that term (else no accuracy is recorded)."""
+    scores: dict[str, list[float]] = {}
+    for t in trajs:
+        for name, value in t.scores.items():
+            scores.setdefault(name, []).append(value)
+    errors = dict.fromkeys(scores, 0)
+    for t in trajs:
+        for error in t.reward_errors:
+            name = next((n for n in t.scores if error.startswith(f"{n}: ")), None)
+            if name is not None and not error.startswith(f"{name}: {NOTE}"):
+                errors[name] += 1
+    out: dict[str, Any] = {}
+    if CORRECT in scores:
+        out["accuracy"] = statistics.fmean(t.correct for t in trajs if CORRECT in t.scores)
+    return out | {"reward_terms": {n: statistics.fmean(v) for n, v in scores.items()},
+                  "reward_term_errors": errors}
+
+
+RUN_FILE = "run.json"
+
+
+def read_run_file(root: Path) -> dict[str, Any]:
+    """The run's `run.json` ({} when absent or unreadable: older runs have none)."""
+    try:
+        data = json.loads((Path(root) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def update_run_file(root: Path, **fields: Any) -> None:
+    """Set `fields` in the run's `run.json` (atomically; the other fields are kept)."""
+    data = read_run_file(root) | fields
+    atomic_write_text(Path(root) / RUN_FILE, json.dumps(data, indent=2, sort_keys=True))
+
+
+def finished_step(root: Path, num_steps: int) -> int | None:
+    """The step a run finished at when it already trained `num_steps` steps (its
+    summary.json says so and the checkpoint of that step exists), else None."""
+    try:
+        summary = json.loads((Path(root) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    steps = summary.get("steps") if isinstance(summary, dict) else None
+    if not isinstance(steps, int) or steps < num_steps or "interrupted_at_step" in summary:
+        return None
+    saved = list_checkpoints(Path(root) / "checkpoints")
+    return steps if saved and saved[-1].name == f"step_{steps}" else None
+
+
+def claim_run_dir(base: Path, overwrite: bool) -> tuple[Path, RunLock]:
+    """(the run directory, its lock) for a new run meant for `base`: an existing run is
+    kept and a numbered sibling created (`base-2`, `base-3`, ...), or, with `overwrite`,
+    emptied (refused while another process holds it). Call it only once the config has
+    passed every check and the model has loaded."""
+    if overwrite and base.is_dir():
+        lock = RunLock(base)
+        for child in base.iterdir():
+            if child.name != ".lock":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        return base, lock
+    root, n = base, 2
+    while True:  # mkdir is the atomic claim: two runs of one name get two directories
+        try:
+            root.mkdir(parents=True)
+            return root, RunLock(root)
+        except FileExistsError:
+            root, n = base.with_name(f"{base.name}-{n}"), n + 1
 
 
 class StepTimer:
@@ -265,7 +345,7 @@ class Run:
         record = {
             "kind": "train", "step": step, "num_steps": num_steps, "wall_time": c["train_seconds"],
             "reward_mean": statistics.fmean(t.reward for t in trajs),
-            "accuracy": statistics.fmean(float(t.correct) for t in trajs),
+            **reward_terms(trajs),
             **{f"response_len_{k}": v for k, v in lens.items()},
             "truncated_frac": statistics.fmean(t.finish_reason == "length" for t in trajs),
             "zero_var_frac": statistics.fmean(g.zero_variance for g in groups),

@@ -59,6 +59,8 @@ class Trajectory:
     reward: float = 0.0  # scalar reward used for advantages: sum of weight x score
     scores: dict[str, float] = field(default_factory=dict)  # reward term name -> its score
     reward_errors: list[str] = field(default_factory=list)  # "term: what happened"
+    advantage: float | None = None  # the advantage the update used (a token-level
+    # estimator's: the mean over the sampled tokens); None where it was not trained on
     timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. {"rollout": .., "reward": ..}
     # Multi-turn episodes (docs/agents.md): `response_ids` holds every token after the
     # prompt, the policy's turns and the environment's observations between them, in order.

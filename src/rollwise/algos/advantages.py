@@ -318,6 +318,11 @@ def tree_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
     return ((r - mean_t) / (std_t + eps) + (r - mean_g) / (std_g + eps)).to(rewards.dtype)
 
 
+# The keywords rollwise fills itself when an estimator's signature names them (see the
+# module docstring); every other keyword parameter is an option (algorithm.advantage_options).
+INPUTS = ("mask", "lengths", "token_rewards", "turns", "step_rewards", "anchors", "trees")
+
+
 def call_estimator(fn, rewards: torch.Tensor, group_ids: torch.Tensor,
                    inputs: dict[str, torch.Tensor], options: dict | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -49,10 +49,22 @@ def prepare_batch(groups: list[Group], estimator: Callable, *, pad_id: int,
             rewards = rewards + token_rewards.sum(-1)
     adv, keep = call_estimator(estimator, rewards, group_ids, inputs, options)
     batch.advantages = adv.detach().float()
+    record_advantages(trajs, batch.advantages, batch.loss_mask, keep)
     if keep is not None and not bool(keep.all()):
         batch = take_rows(batch, torch.nonzero(keep)[:, 0])
     return batch
 
+
+
+def record_advantages(trajs: list[Trajectory], advantages: torch.Tensor, mask: torch.Tensor,
+                      keep: torch.Tensor | None) -> None:
+    """Each trajectory's `advantage`, as the update uses it: [N] outcome-level values, or
+    the mean of [N, L] token-level ones over the row's loss mask; None for a row the
+    estimator dropped (keep False). The trajectory store and the report keep them."""
+    if advantages.dim() == 2:
+        advantages = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    for i, (traj, value) in enumerate(zip(trajs, advantages.tolist(), strict=True)):
+        traj.advantage = value if keep is None or bool(keep[i]) else None
 
 
 def episode_inputs(trajs: list[Trajectory], width: int, estimator: Callable

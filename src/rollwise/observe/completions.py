@@ -1,9 +1,8 @@
 """What the model wrote: report sections read from the trajectory store, and run comparison.
 
 `completions_section(store_path)`: for a few steps (first, middle, last), a few prompts with
-their group's responses, highest and lowest reward first, each with its reward and its
-advantage. Advantages are not stored; the one shown is GRPO's group-normalised reward
-(r - mean) / std, which is what most estimators order responses by.
+their group's responses, highest and lowest reward first, each with its reward and the
+advantage the update used (stored with the trajectory, whatever the estimator).
 
 `write_compare(run_dirs, out)`: one page overlaying held-out accuracy and mean reward of
 several runs against step and against wall time.
@@ -12,7 +11,6 @@ several runs against step and against wall time.
 from __future__ import annotations
 
 import sqlite3
-import statistics
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -34,38 +32,27 @@ def chosen_steps(steps: list[int], count: int = 3) -> list[int]:
     return sorted(set(picks))
 
 
-def group_advantages(rewards: list[float]) -> list[float]:
-    """(r - mean) / (std + 1e-6), unbiased std; 0 for a group of one or of equal rewards.
-
-    >>> [round(a, 3) for a in group_advantages([1.0, 0.0, 0.0, 1.0])]
-    [0.866, -0.866, -0.866, 0.866]
-    """
-    if len(rewards) < 2:
-        return [0.0] * len(rewards)
-    mean, std = statistics.fmean(rewards), statistics.stdev(rewards)
-    return [(r - mean) / (std + 1e-6) for r in rewards]
-
-
 def _step_groups(conn: sqlite3.Connection, step: int) -> list[dict[str, Any]]:
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")}
+    advantage = "t.advantage" if "advantage" in columns else "NULL"  # older stores
     rows = conn.execute(
-        "SELECT t.group_idx, s.prompt, s.answer, t.text, t.reward, t.num_tokens"
+        f"SELECT t.group_idx, s.prompt, s.answer, t.text, t.reward, t.num_tokens, {advantage}"
         " FROM trajectories t JOIN samples s ON s.sample_id = t.sample_id WHERE t.step = ?"
         " ORDER BY t.group_idx, t.traj_idx", (step,)).fetchall()
     groups: dict[int, dict[str, Any]] = {}
-    for g, prompt, answer, text, reward, tokens in rows:
+    for g, prompt, answer, text, reward, tokens, adv in rows:
         group = groups.setdefault(g, {"prompt": prompt, "answer": answer, "responses": []})
-        group["responses"].append((text, float("nan") if reward is None else reward, tokens))
+        group["responses"].append((text, float("nan") if reward is None else reward, tokens,
+                                   adv))
     return list(groups.values())
 
 
 def _group_table(group: dict[str, Any], show: int) -> str:
     """One prompt and its `show` highest- and lowest-reward responses."""
-    responses = group["responses"]
-    advs = group_advantages([r for _, r, _ in responses])
-    ranked = sorted(zip(responses, advs), key=lambda x: -x[0][1])
+    ranked = sorted(group["responses"], key=lambda x: -x[1])
     picked = ranked if len(ranked) <= 2 * show else ranked[:show] + ranked[-show:]
-    rows = [{"reward": r, "advantage": round(a, 3), "tokens": n, "response": text}
-            for (text, r, n), a in picked]
+    rows = [{"reward": r, "advantage": "not trained" if a is None else round(a, 3),
+             "tokens": n, "response": text} for text, r, n, a in picked]
     return (f'<p class="muted">prompt: <code>{escape(str(group["prompt"])[:400])}</code> '
             f'&middot; answer <code>{escape(str(group["answer"]))}</code></p>'
             + html.table(rows))
@@ -84,8 +71,8 @@ def completions_section(store_path: Path, prompts: int = 2, show: int = 2) -> st
             parts = []
             for step in chosen_steps(steps):
                 groups = _step_groups(conn, step)
-                groups.sort(key=lambda g: -(max(r for _, r, _ in g["responses"])
-                                            - min(r for _, r, _ in g["responses"])))
+                groups.sort(key=lambda g: -(max(x[1] for x in g["responses"])
+                                            - min(x[1] for x in g["responses"])))
                 parts.append(f"<h3>step {step}</h3>")
                 parts.extend(_group_table(g, show) for g in groups[:prompts])
         finally:
@@ -95,7 +82,9 @@ def completions_section(store_path: Path, prompts: int = 2, show: int = 2) -> st
     if not parts:
         return ""
     return ("<h2>Completions</h2><p class=\"muted\">highest and lowest reward of each group; "
-            "advantage = (r - group mean) / group std (GRPO)</p>" + "\n".join(parts))
+            "advantage: the one the update used, from the run's estimator (a token-level "
+            "estimator's mean over the response; 'not trained': the allocator left the group "
+            "out or the estimator dropped the row)</p>" + "\n".join(parts))
 
 
 def _series(run_dirs: list[Path], key: str, x_key: str, kind: str) -> plots.Series:

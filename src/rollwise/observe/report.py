@@ -6,7 +6,7 @@ Inputs, all inside the run directory and all optional except that an empty page 
 omits what depends on it; nothing in the inputs can make the report fail.
 
 Metric keys read: step, wall_time (seconds since training start), reward_mean,
-eval_accuracy, pass_at_k (a number, or {k: value}), rollouts, response_len_{p50,p90,max,mean},
+reward_terms and reward_term_errors ({term: value} tables), eval_accuracy, pass_at_k (a number, or {k: value}), rollouts, response_len_{p50,p90,max,mean},
 time_rollout, time_reward, time_train, time_other.
 """
 
@@ -53,6 +53,7 @@ def write_report(run_dir: Path) -> Path:
                 for row in task_table(result)]
         body.append("<h2>Evaluation (pass@1 greedy, mean@k, unbiased pass@k, by task)</h2>"
                     f"{html.table(rows)}")
+    body.append(_terms_table(train))
     body.append(completions_section(run_dir / STORE_FILE))
     if train:
         last = {k: v for k, v in train[-1].items() if number(train[-1], k) is not None}
@@ -160,12 +161,49 @@ def run_figures(
                 ),
             )
         )
+    candidates.append(_terms_figure(train))
     candidates.append(_length_figure(run_dir, train))
     candidates.append(_time_figure(train))
     candidates.append(_offpolicy_figure(train))
     candidates.append(_capacity_figure(train))
     candidates.extend(_eval_figures(evals))
     return [(caption, png) for caption, png in candidates if png is not None]
+
+
+def _term_rows(train: list[dict[str, Any]], key: str) -> list[tuple[float, dict]]:
+    """(step, the record's `key` table) of the records that hold one."""
+    return [(r["step"], r[key]) for r in train
+            if number(r, "step") is not None and isinstance(r.get(key), dict)]
+
+
+def _terms_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Each reward term's mean score (before its weight) per step."""
+    series: plots.Series = {}
+    for step, terms in _term_rows(train, "reward_terms"):
+        for name in terms:
+            if number(terms, name) is not None:
+                series.setdefault(name, []).append((step, terms[name]))
+    if not series:
+        return "reward terms", None
+    return ("mean score of each reward term per step (before its weight)",
+            plots.line_plot(series, "step", "score", "reward terms"))
+
+
+def _terms_table(train: list[dict[str, Any]]) -> str:
+    """Each reward term: its mean score at the first and last step, its failed calls."""
+    means = _term_rows(train, "reward_terms")
+    if not means:
+        return ""
+    failed: dict[str, float] = {}
+    for _, errors in _term_rows(train, "reward_term_errors"):
+        for name in errors:
+            failed[name] = failed.get(name, 0) + (number(errors, name) or 0)
+    (first_step, first), (last_step, last) = means[0], means[-1]
+    rows = [{"term": name, f"mean score, step {int(first_step)}": first.get(name, ""),
+             f"mean score, step {int(last_step)}": last.get(name, ""),
+             "failed calls (all steps)": int(failed.get(name, 0))}
+            for name in dict.fromkeys([*first, *last])]
+    return f"<h2>Reward terms</h2>{html.table(rows)}"
 
 
 def _length_figure(run_dir: Path, train: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # `rollwise.types` imports torch; keep the store importable without it
     from rollwise.types import Group, Sample, Trajectory
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the `advantage` column (a version-1 store gains it on opening)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
@@ -51,7 +51,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     text          TEXT NOT NULL,
     reward        REAL,              -- NULL encodes NaN (SQLite stores NaN as NULL)
     reward_info   TEXT NOT NULL,     -- JSON object
-    timings       TEXT NOT NULL      -- JSON object
+    timings       TEXT NOT NULL,     -- JSON object
+    advantage     REAL               -- the one the update used; NULL: not trained on
 );
 -- multi-turn trajectories only (rows of single-turn ones are absent): which response
 -- tokens the environment inserted, and the turn records (docs/agents.md)
@@ -129,7 +130,9 @@ class TrajectoryStore:
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.executescript(_SCHEMA)
             found = self._conn.execute("PRAGMA user_version").fetchone()[0]
-            if found == 0:
+            if found == 1:  # written before advantages were kept: they read as NULL
+                self._conn.execute("ALTER TABLE trajectories ADD COLUMN advantage REAL")
+            if found in (0, 1):
                 self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif found != SCHEMA_VERSION:
                 raise ValueError(
@@ -174,7 +177,8 @@ class TrajectoryStore:
                 self._conn.executemany(
                     "INSERT INTO trajectories (step, group_idx, traj_idx, sample_id, prompt_ids,"
                     " response_ids, logprobs, versions, num_tokens, finish_reason, text, reward,"
-                    " reward_info, timings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " reward_info, timings, advantage)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     traj_rows,
                 )
                 self._conn.executemany(
@@ -205,6 +209,7 @@ class TrajectoryStore:
             None if math.isnan(reward) else reward,  # SQLite would store NaN as NULL anyway
             _dumps(t.reward_info),
             _dumps(t.timings),
+            t.advantage,
         )
 
     def delete_after(self, step: int) -> int:
@@ -287,6 +292,7 @@ class TrajectoryStore:
         rows = self._query(
             "SELECT t.group_idx, t.sample_id, t.prompt_ids, t.response_ids, t.logprobs,"
             " t.versions, t.finish_reason, t.text, t.reward, t.reward_info, t.timings,"
+            " t.advantage,"
             " s.prompt, s.answer, s.reference, s.meta,"
             " e.loss_mask, e.turns, e.turn_rewards, e.turn_states, e.tree"
             " FROM trajectories t JOIN samples s ON s.sample_id = t.sample_id"
@@ -309,6 +315,7 @@ class TrajectoryStore:
             reward,
             info,
             timings,
+            advantage,
             prompt,
             answer,
             reference,
@@ -329,6 +336,7 @@ class TrajectoryStore:
                 **dict(zip(("scores", "reward_errors"),
                            Trajectory.split_reward_info(json.loads(info)), strict=True)),
                 timings=json.loads(timings),
+                advantage=advantage,
             )
             if episode[0] is not None:  # a multi-turn trajectory's layout
                 traj.loss_mask = _unpack(episode[0], "i")
