@@ -120,11 +120,14 @@ def import_object(path: str, kind: str) -> Callable:
 class Registry(Mapping[str, T], Generic[T]):
     """Names -> callables of one `kind`. `takes`: the positional arguments rollwise passes
     to each (checked for code loaded by import path); `keywords`: keyword arguments it
-    passes besides (e.g. a task builder's seed and split sizes)."""
+    passes besides (e.g. a task builder's seed and split sizes); `options`: whether the
+    config gives each its own options besides (a parameter without a default is then one
+    to set there, checked with `options_misfit`, not a misfit)."""
 
     def __init__(self, kind: str, *, takes: tuple[str, ...] = (),
-                 keywords: tuple[str, ...] = ()):
+                 keywords: tuple[str, ...] = (), options: bool = False):
         self.kind, self.takes, self.keywords = kind, takes, keywords
+        self.options = options
         self._items: dict[str, T] = {}
         self._imported: dict[str, T] = {}
 
@@ -175,8 +178,9 @@ class Registry(Mapping[str, T], Generic[T]):
             signature = inspect.signature(fn)
         except (TypeError, ValueError):  # builtins without a signature: trust them
             return None
+        bind = signature.bind_partial if self.options else signature.bind
         try:
-            signature.bind(*self.takes, **dict.fromkeys(self.keywords))
+            bind(*self.takes, **dict.fromkeys(self.keywords))
         except TypeError as e:
             wanted = ", ".join([*self.takes, *(f"{k}=" for k in self.keywords)])
             return f"signature {signature} cannot take ({wanted}): {e}"

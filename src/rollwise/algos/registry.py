@@ -8,7 +8,7 @@ from collections.abc import Callable
 from rollwise.registry import Registry
 
 advantage_estimators: Registry[Callable] = Registry(
-    "advantage estimator", takes=("rewards", "group_ids"))
+    "advantage estimator", takes=("rewards", "group_ids"), options=True)
 policy_losses: Registry[Callable] = Registry(
     "policy loss", takes=("logprobs", "old_logprobs", "advantages", "mask"))
 kl_estimators: Registry[Callable] = Registry("KL estimator", takes=("logprobs", "ref_logprobs"))

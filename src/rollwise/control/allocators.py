@@ -408,7 +408,7 @@ class Gdro:
         self.assigned = {k: int(v) for k, v in state.get("bins", {}).items()}
 
 
-ALLOCATORS: Registry[type] = Registry("allocator")
+ALLOCATORS: Registry[type] = Registry("allocator", options=True)
 for _cls in (Uniform, Dynamic, Thompson, PilotCommit, Dars, Vcrl, Gdro):
     ALLOCATORS.register(_cls.name)(_cls)
 

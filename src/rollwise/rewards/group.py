@@ -22,7 +22,8 @@ from rollwise.rewards.verifiers import after_marker, last_number
 from rollwise.types import Group, Trajectory
 
 GroupReward = Callable[..., list[float]]
-GROUP_REWARDS: Registry[GroupReward] = Registry("group reward", takes=("trajectories",))
+GROUP_REWARDS: Registry[GroupReward] = Registry("group reward", takes=("trajectories",),
+                                                  options=True)
 _register = GROUP_REWARDS.register
 _MARK = "__rollwise_group_reward__"
 
