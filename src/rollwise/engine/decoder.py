@@ -50,6 +50,15 @@ class UnsupportedModel(ValueError):
     """The native engine has no forward pass for this architecture."""
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """`device` with its index made explicit ("cuda" -> "cuda:0" when that is current), so
+    that it compares equal to the device a tensor reports."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def unwrap(model):
     """The transformers model inside a peft wrapper (LoRA layers stay injected)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -203,8 +212,8 @@ class Decoder:
         weight = self.embed.weight
         self.int8 = dtype == torch.int8  # int8 projections, float32 everything else
         self.dtype = torch.float32 if self.int8 else (dtype or weight.dtype)
-        self.device = torch.device(device) if device is not None else weight.device
-        self.shared = (self.dtype == weight.dtype and self.device == weight.device
+        self.device = resolve_device(device if device is not None else weight.device)
+        self.shared = (self.dtype == weight.dtype and self.device == resolve_device(weight.device)
                        and not self.int8)
         self.generation = 0  # publications so far (refresh)
         window = getattr(cfg, "sliding_window", None)
@@ -212,7 +221,8 @@ class Decoder:
             window = None
         self.max_context = min(int(cfg.max_position_embeddings), window or 1 << 30)
         pos = torch.arange(self.max_context, device=weight.device)[None]
-        cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+        cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32, device=weight.device),
+                                       pos)
         self.cos = cos[0].to(self.device, self.dtype)
         self.sin = sin[0].to(self.device, self.dtype)
         self._tensors: dict[nn.Module, torch.Tensor] = {}  # converted norm/embedding weights
@@ -270,6 +280,9 @@ class Decoder:
                 dense = _Dense(w, b, pack=pack)
             linears[mods if len(mods) > 1 else mods[0]] = dense
             self._sizes[mods] = [x.shape[0] for x in ws]
+        if self._linears:  # written into the tensors already held: captured graphs read them
+            tensors = {m: _into(self._tensors.get(m), t) for m, t in tensors.items()}
+            linears = {k: _into_dense(self._linears.get(k), x) for k, x in linears.items()}
         self._tensors, self._linears = tensors, linears
         return time.perf_counter() - start
 
@@ -472,6 +485,25 @@ class Decoder:
             x = x + self._lin(out.reshape(b, c, -1), layer.self_attn.o_proj)
             x = x + self._mlp(self._rms(x, layer.post_attention_layernorm), layer.mlp)
         return x
+
+
+def _into(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+    """`new`'s values in `old`'s storage when the two match in shape and dtype (a CUDA graph
+    captured on `old` then reads the new values), else `new`."""
+    if old is None or new is None or old.shape != new.shape or old.dtype != new.dtype:
+        return new
+    return old.copy_(new)
+
+
+def _into_dense(old, new):
+    """A converted projection updated in place (see `_into`); oneDNN-packed ones (CPU only,
+    where nothing is captured) are replaced."""
+    if type(old) is not type(new) or getattr(old, "packed", None) is not None:
+        return new
+    for name, value in vars(new).items():
+        if isinstance(value, torch.Tensor):
+            setattr(old, name, _into(getattr(old, name), value))
+    return old
 
 
 def _effective_weight(m: nn.Module) -> torch.Tensor:

@@ -24,6 +24,7 @@ class KVCache:
                  device: torch.device):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
+        self.epoch = 0  # reallocations so far: views and captured graphs of older ones are stale
         self.pk: list[torch.Tensor] = []
         self.pv: list[torch.Tensor] = []
         self.rk: list[torch.Tensor] = []
@@ -37,6 +38,7 @@ class KVCache:
 
     def _alloc(self, region: str, slots: int, length: int) -> None:
         k, v = (self.pk, self.pv) if region == "p" else (self.rk, self.rv)
+        self.epoch += 1
         old = list(zip(k, v))
         k.clear()
         v.clear()

@@ -31,6 +31,7 @@ from rollwise.engine.decoder import Decoder
 from rollwise.engine.kvcache import KVCache
 from rollwise.engine.requests import EngineStats, Group, Request
 from rollwise.engine.sampling import derive_seed, draw
+from rollwise.engine.step import DecodeStep
 from rollwise.engine.verifier import DraftVerifier
 
 
@@ -40,7 +41,7 @@ class NativeEngine:
                  eos_token_ids: list[int] | None = None, share_prefix: bool = True,
                  static_batch: bool = False, drafter: Drafter | None = None,
                  spec_tokens: int = 4, spec_max_batch: int = 8, version: int = 0,
-                 weights_from: NativeEngine | None = None):
+                 weights_from: NativeEngine | None = None, step_mode: str = "auto"):
         """`static_batch`: admit only into an empty batch and keep finished rows computing
         until the whole batch ends (a baseline). `drafter`: given [(request id, tokens so
         far)] and `spec_tokens` returns a draft per request; consulted when at most
@@ -48,7 +49,10 @@ class NativeEngine:
         that a caller of `step` may replace for that step (the rollout scheduler does).
         `dtype`: the weights, activations and KV cache (float32 or bfloat16), see
         docs/precision.md. `weights_from`: an engine over the same model whose converted
-        weights this one reads (refreshed when that engine publishes), e.g. the evaluator's."""
+        weights this one reads (refreshed when that engine publishes), e.g. the evaluator's.
+        `step_mode`: how the single-token decode step runs (step.py): eager, graph (CUDA
+        graphs per batch bucket), compile (torch.compile), or auto (graph on CUDA, else
+        eager)."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if weights_from is not None:
@@ -67,6 +71,7 @@ class NativeEngine:
         self.stats = EngineStats()
         self.admission = Admission(self.cache, self.stats, kv_budget_tokens=kv_budget_tokens,
                                    max_num_seqs=max_num_seqs)
+        self.decode_step = DecodeStep(self.decoder, self.cache, step_mode)
         self.verifier = DraftVerifier(self.decoder, self.cache, self.stats, self._emit,
                                       spec_tokens=spec_tokens, spec_max_batch=spec_max_batch)
         self._next_id = 0
@@ -202,7 +207,10 @@ class NativeEngine:
             multi = [i for i, r in enumerate(rows) if r.inputs > 1]
             if multi and single and len(rows) <= self.verifier.spec_max_batch:
                 multi, single = single + multi, []  # small batch: one pass, a little padding
-            if single:
+            if single and not multi and self.decode_step.mode != "rows":
+                # every row decodes one token: the static-shape step
+                self._decode_static(rows)
+            elif single:
                 self._decode([rows[i] for i in single], single)
             if multi:
                 self.verifier.verify([rows[i] for i in multi], multi, len(adm.rows))
@@ -274,6 +282,24 @@ class NativeEngine:
         logits = self.decoder.logits(hidden)
         for idx, (tok, lp) in self._draw(reqs, logits).items():
             self._emit(reqs[idx], [tok], [lp])
+        self.stats.decode_seconds += time.perf_counter() - start
+
+    def _decode_static(self, reqs: list[Request]) -> None:
+        """One token for every resident row (rows 0..B-1) through the static-shape step."""
+        start = time.perf_counter()
+        drawn, logits = self.decode_step(reqs)
+        for r in reqs:
+            r.cached += 1
+        self.stats.forward_passes += 1
+        self.stats.decode_tokens += len(reqs)
+        self.stats.row_forwards += len(reqs)
+        if drawn is not None:  # [2, B]: ids and log-probs, one copy from the device
+            ids, lps = drawn.tolist()
+            for r, tok, lp in zip(reqs, ids, lps):
+                self._emit(r, [int(tok)], [lp])
+        else:
+            for idx, (tok, lp) in self._draw(reqs, logits).items():
+                self._emit(reqs[idx], [tok], [lp])
         self.stats.decode_seconds += time.perf_counter() - start
 
     def _draw(self, reqs: list[Request], logits: torch.Tensor) -> dict[int, tuple[int, float]]:
