@@ -1,7 +1,8 @@
-"""The code sandbox: correct code passes, hostile code is contained, and the machine, the run
-and the reward pool are untouched. Every hostile case runs under each isolation level that
-works on this machine (bwrap, unshare, rlimits); `test_detection_falls_back` hides bwrap
-and unshare so the fallback path is taken whatever the machine has."""
+"""The code sandbox: correct code passes, resource attacks are contained, and the machine, the
+run and the reward pool are untouched. Every case runs under each isolation level that works
+on this machine (bwrap, unshare, landlock, rlimits; the level is in the test id);
+`test_detection_falls_back` hides bwrap, unshare and the kernel layers so the fallback path is
+taken whatever the machine has. tests/test_sandbox_hostile.py has the adversarial suite."""
 
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ LEVELS = _levels()
 
 
 def _contained(level: str) -> bool:
-    """Whether this level stops same-user harm (files, signals, /proc, network): bwrap does
-    (read-only file system, own /proc and network); unshare and limits alone do only when
-    running as root (the runner drops to nobody); docs/rewards.md has the table."""
-    return level == "bwrap" or ROOT
+    """Whether this level stops same-user harm (files, signals, /proc): bwrap, unshare and
+    landlock do; limits alone do only when running as root (the code drops to nobody);
+    docs/rewards.md has the table. Network: every level but rlimits."""
+    return level in sb.SECURITY_BOUNDARY or ROOT
 
 
 def _sandbox_processes() -> list[psutil.Process]:
@@ -188,8 +189,9 @@ def test_secrets_signals_and_network_stay_out(level, monkeypatch) -> None:
         "    return x + 1\n"
     )
     result, _ = _run(code, level)
-    with pytest.raises(TimeoutError):
-        server.accept()  # nobody connected
+    if level != "rlimits":  # limits alone do not stop sockets (docs/rewards.md)
+        with pytest.raises(TimeoutError):
+            server.accept()  # nobody connected
     server.close()
     assert SECRET not in result.output and "leaked" not in result.reason
     assert "connected" not in result.reason
@@ -205,6 +207,7 @@ def test_detection_falls_back(monkeypatch, capsys) -> None:
     and still scores correctly; a forced level that does not work is an error."""
     monkeypatch.setattr(sb, "_detected", {})
     monkeypatch.setattr(sb, "_warned", False)
+    monkeypatch.setattr(sb, "_layers_here", lambda: {"landlock": 0, "seccomp": False})
     real_which = sb.shutil.which
     monkeypatch.setattr(sb.shutil, "which",
                         lambda name: None if name in ("bwrap", "unshare") else real_which(name))
@@ -223,7 +226,10 @@ def test_detection_falls_back(monkeypatch, capsys) -> None:
     monkeypatch.setattr(sb.shutil, "which",
                         lambda name: None if name == "bwrap" else real_which(name))
     assert detect_isolation() in ("unshare", "rlimits")
-    with pytest.raises(ValueError, match="expected auto, bwrap, unshare, rlimits"):
+    with pytest.raises(RuntimeError, match="sandbox_require = .isolated. but the sandbox here is"):
+        sb.check_required("rlimits", "isolated")
+    sb.check_required("rlimits", "any")
+    with pytest.raises(ValueError, match="expected auto, bwrap, unshare, landlock, rlimits"):
         detect_isolation("docker")
 
 

@@ -1,67 +1,80 @@
-r"""The code sandbox: runs model-written Python against unit tests in a separate, limited process.
+r"""The code sandbox: runs model-written Python against unit tests in a separate, limited process,
+and decides the verdict where the code cannot reach it.
 
 What one execution does (docs/rewards.md says what this stops and what it does not):
 
-1. A fresh temporary directory (``rollwise-sbx-*``) is made; it is the child's working
-   directory, $HOME and $TMPDIR, and the only place it may write.
-2. The child starts in a new session (its own process group) with a scrubbed environment
-   (PATH, LANG, HOME, TMPDIR only) and resource limits set before it executes anything:
-   CPU seconds, address space, file size, open files, core dumps off; the process-count limit
-   is set by the runner just before the model's code runs (the wrappers need to fork first).
-3. Isolation, the strongest available, detected once per process and recorded:
-   ``bwrap`` (bubblewrap: new network, PID, IPC and UTS namespaces, the whole file system
-   read-only except the working directory, a private /tmp, the home directory hidden),
-   else ``unshare`` (util-linux: new network and PID namespaces), else ``rlimits`` (limits
-   only, which is NOT a security boundary: a one-time warning says so).
-   When the parent runs as root, the runner drops to uid/gid 65534 (nobody) after importing
-   the standard-library modules the tasks use, so the code cannot write root-owned files or
-   read the root home directory, and the process-count limit applies (root is exempt).
-4. Data goes in as JSON on stdin (never pickle): the code, the test source, the entry point.
-   The runner (``python -I -S -B``: no site-packages, no user environment) executes the code,
-   then, in the same namespace (tests may call the code's helpers, as in human-eval), each
-   top-level statement of the test function ``check(candidate)`` in order; each
-   statement that contains an ``assert`` is one test. Results come back as lines tagged with
-   a random nonce on stdout; the child's own output shares the pipe and is capped.
-5. The parent kills the whole process group on the wall-time limit or when the output cap is
-   passed, and removes the directory. Score = tests passed / tests, counted up to the point
-   where the child stopped (an infinite loop in test 3 of 5 keeps tests 1 and 2).
+1. A fresh private directory (``rollwise-sbx-*``, mode 0700) is the code's working directory,
+   $HOME and $TMPDIR, and the only place it may write.
+2. The sandbox starts in a new session (its own process group) with a scrubbed environment
+   (PATH, LANG, HOME, TMPDIR only) and resource limits set before it executes anything.
+3. Isolation, the strongest that works here, detected once per process by running a real
+   execution (the real interpreter, a real lazy standard-library import) under each:
+   ``bwrap`` (bubblewrap namespaces, read-only file system), ``unshare`` (util-linux
+   namespaces, with a private read-only view of the file system set up by the runner),
+   ``landlock`` (no namespaces: Landlock and seccomp confine the code), else ``rlimits``
+   (limits only, NOT a security boundary: a one-time warning says so). Landlock and seccomp
+   are added under bwrap and unshare too where the kernel has them.
+4. The runner (`rollwise.rewards.runner`, trusted, standard library only) forks a candidate
+   process that drops its privileges and loads the code; the tests run in the runner and call
+   the code through canonical values only. Results reach this process on the runner's fd 1,
+   which the candidate never holds; the candidate's own output comes on fd 2, capped.
+5. The wall-time limit, the output cap or the end kills the whole process group and every
+   descendant; the directory is removed. Score = tests passed / tests, counted here from the
+   runner's results: bounded by the number of tests, whatever the code prints.
 
 Infrastructure failures (the sandbox could not start: an OSError, a wrapper that failed, a
-child that timed out before its runner was ready) are not the model's fault: `execute`
-retries once and then raises `InfraError`, which the reward pool counts apart and masks.
+runner that timed out before it was ready) are not the model's fault: `execute` retries once
+and then raises `InfraError`, which the reward pool counts apart and masks.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import marshal
 import os
-import secrets
 import selectors
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from rollwise.rewards.pool import InfraError
 
-ISOLATION_LEVELS = ("bwrap", "unshare", "rlimits")
+ISOLATION_LEVELS = ("bwrap", "unshare", "landlock", "rlimits")
+SECURITY_BOUNDARY = ("bwrap", "unshare", "landlock")
+REQUIRE = ("any", "isolated")  # task option sandbox_require
 NOBODY = 65534
-# The runner imports the standard-library modules the code and tests name before it drops
-# root (afterwards the interpreter's own directory may be unreadable); never these:
+# The runner imports the standard-library modules the code and tests name before the code's
+# process drops root (where the interpreter may be unreadable afterwards); never these:
 NO_PREIMPORT = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo",
                           "webbrowser", "pydoc", "ensurepip", "venv", "lib2to3"})
 PREIMPORT = frozenset(sys.stdlib_module_names) - NO_PREIMPORT
 RLIMITS_WARNING = ("rollwise sandbox: model-written code runs with resource limits only (no "
-                   "bubblewrap or unshare isolation). Limits are NOT a "
+                   "bubblewrap, unshare or Landlock isolation). Limits are NOT a "
                    "security boundary: the code can read files this user can read, open "
                    "network connections and leave processes behind. Install bubblewrap "
                    "(Debian/Ubuntu: apt-get install bubblewrap) for isolation.")
+# The detection probe: the real interpreter, lazy standard-library imports (the ones that
+# fail when the code's user cannot read the interpreter), a file in its own directory.
+PROBE_CODE = ("import importlib\n"
+              "def f(x):\n"
+              "    import datetime\n"
+              "    datetime.datetime.strptime('2024-01-02', '%Y-%m-%d')\n"
+              "    importlib.import_module('fractions').Fraction(1, 3)\n"
+              "    importlib.import_module('xml.etree.ElementTree').fromstring('<a/>')\n"
+              "    open('probe.txt', 'w').write('ok')\n"
+              "    return x + 1\n")
+PROBE_TESTS = "def check(candidate):\n    assert candidate(1) == 2\n"
 
 
 @dataclass(frozen=True)
@@ -73,8 +86,8 @@ class SandboxLimits:
     memory_mb: int = 1024  # address space per process (RLIMIT_AS)
     file_mb: int = 8  # largest file it may write (RLIMIT_FSIZE)
     open_files: int = 64  # RLIMIT_NOFILE
-    processes: int = 16  # RLIMIT_NPROC (counted per uid; the runner sets it)
-    output_kb: int = 256  # stdout + stderr kept; more kills the child
+    processes: int = 16  # RLIMIT_NPROC (counted per uid; the code's process sets it)
+    output_kb: int = 256  # stdout + stderr kept; more kills the execution
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -86,15 +99,15 @@ class SandboxLimits:
 class ExecResult:
     """What one execution did."""
 
-    passed: int = 0  # tests passed
-    total: int = 0  # tests in the test function (0 when the runner never started)
+    passed: int = 0  # tests passed (never more than total)
+    total: int = 0  # tests in the test function
     status: str = "ok"  # ok | failed | load_error | timeout | cpu_limit | output_limit |
     #                     crashed | infra
     reason: str = ""  # why it did not pass everything, for reward_errors
     seconds: float = 0.0
-    output: str = ""  # the child's own output (capped), for debugging
+    output: str = ""  # the code's own output (capped), for debugging
     isolation: str = ""
-    details: list[str] = field(default_factory=list)  # per-test "pass" / "fail: why"
+    details: list[str] = field(default_factory=list)  # "fail: why" per failed test
 
     @property
     def score(self) -> float:
@@ -106,6 +119,56 @@ class ExecResult:
 
 
 # ---------------------------------------------------------------------------------------------
+# Where things are: the interpreter the code needs, the directories it must not see
+
+
+@lru_cache(maxsize=1)
+def interpreter_paths() -> tuple[str, ...]:
+    """The directories the runner's interpreter needs (prefixes, standard library, the real
+    executable's directory), real paths, none beneath another."""
+    paths = {os.path.realpath(p) for p in (
+        sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+        sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
+        os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(sys.executable))}
+    return tuple(sorted(p for p in paths
+                        if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths)))
+
+
+def hidden_dirs() -> list[str]:
+    """Directories replaced by an empty tmpfs under bwrap and unshare: the shared temporary
+    directories (writes there would outlive the execution and reach its siblings) and the
+    home directory (keys, tokens, history)."""
+    hide = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)]
+    home = os.path.realpath(os.path.expanduser("~"))
+    if home not in ("/", "") and os.path.isdir(home) and home not in hide:
+        hide.append(home)
+    return hide
+
+
+def _beneath(path: str, dirs: list[str]) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
+def readable_by_others(path: str) -> bool:
+    """Whether a user that owns nothing can reach `path` (every directory on the way
+    searchable by others): where the interpreter lives decides whether the dropped code's
+    lazy imports work."""
+    parts = Path(os.path.realpath(path)).parts
+    for i in range(1, len(parts) + 1):
+        try:
+            mode = os.stat(os.path.join(*parts[:i])).st_mode
+        except OSError:
+            return False
+        if not mode & 0o001:
+            return False
+    return True
+
+
+LANDLOCK_READ = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime",
+                 "/dev/urandom", "/dev/random", "/dev/zero")
+
+
+# ---------------------------------------------------------------------------------------------
 # Detection
 
 _detected: dict[str, Any] = {}
@@ -113,48 +176,68 @@ _detect_lock = threading.Lock()
 _warned = False
 
 
-def _probe(argv: list[str]) -> bool:
-    try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return done.returncode == 0
-
-
 def _wrapper_argv(level: str, workdir: str) -> list[str]:
-    """The command line that puts the runner inside `level`'s isolation."""
+    """The command line that puts the runner inside `level`'s namespaces."""
     root = os.geteuid() == 0
     if level == "bwrap":
         argv = [shutil.which("bwrap") or "bwrap", "--unshare-ipc", "--unshare-pid",
                 "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-                "--die-with-parent", "--new-session", "--ro-bind", "/", "/",
-                "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+                "--die-with-parent", "--new-session", "--as-pid-1", "--ro-bind", "/", "/",
+                "--dev", "/dev", "--proc", "/proc"]
         if not root:
             argv[1:1] = ["--unshare-user"]
-        home = os.path.expanduser("~")
-        if home not in ("/", "") and os.path.isdir(home):
-            argv += ["--tmpfs", home]  # hide the home directory (keys, tokens, history)
-            for prefix in {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}:
-                if prefix.startswith(home.rstrip("/") + "/"):
-                    argv += ["--ro-bind", prefix, prefix]  # the interpreter may live there
+        hide = hidden_dirs()
+        for path in hide:
+            argv += ["--tmpfs", path]
+        for path in interpreter_paths():  # the interpreter may live beneath one of them
+            if _beneath(path, hide):
+                # bwrap makes missing parents 0700: the code's user (nobody) must pass them
+                parents = [str(p) for p in reversed(Path(path).parents)
+                           if _beneath(str(p), hide) and str(p) not in hide]
+                for parent in parents:
+                    argv += ["--perms", "0755", "--dir", parent]
+                argv += ["--ro-bind", path, path]
         argv += ["--bind", workdir, workdir, "--chdir", workdir]
-        if root:  # the runner drops to nobody itself, which needs these two
+        if root:  # the code's process drops to nobody itself, which needs these two
             argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         return argv
     if level == "unshare":
         argv = [shutil.which("unshare") or "unshare"]
         if not root:
             argv += ["--user", "--map-root-user"]
-        return argv + ["--net", "--pid", "--fork", "--kill-child"]
+        return argv + ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+                       "--mount-proc"]
     return []
 
 
+def _layers_here() -> dict[str, Any]:
+    """What the kernel offers the code's process: {"landlock": ABI or 0, "seccomp": bool}."""
+    from rollwise.rewards import confine
+
+    try:
+        confine.seccomp_filter()
+        seccomp = True
+    except OSError:
+        seccomp = False
+    return {"landlock": confine.landlock_abi(), "seccomp": seccomp}
+
+
+def _probe(level: str) -> bool:
+    """A real execution under `level`: the probe function passes its test."""
+    try:
+        result = run_tests(PROBE_CODE, PROBE_TESTS, "f", SandboxLimits(wall_s=10.0),
+                           isolation=level, _probing=True)
+    except (OSError, ValueError, RuntimeError):
+        return False
+    return result.status == "ok" and result.passed == 1
+
+
 def detect_isolation(force: str | None = None) -> str:
-    """The strongest isolation that works here: "bwrap", "unshare" or "rlimits".
+    """The strongest isolation that works here: "bwrap", "unshare", "landlock" or "rlimits".
 
     `force` (or the environment variable ROLLWISE_SANDBOX) picks one; forcing one that does
-    not work is an error. Probed once per process (each probe runs ``true`` inside it).
+    not work is an error. Probed once per process: each level runs a real execution (the real
+    interpreter, a lazy standard-library import, a write in its own directory).
     """
     force = force or os.environ.get("ROLLWISE_SANDBOX") or None
     if force is not None and force not in (*ISOLATION_LEVELS, "auto"):
@@ -162,15 +245,17 @@ def detect_isolation(force: str | None = None) -> str:
                          f"{', '.join(ISOLATION_LEVELS)}")
     with _detect_lock:
         if "works" not in _detected:
+            _detected["layers"] = layers = _layers_here()
             works = {"rlimits": True}
-            tmp = tempfile.mkdtemp(prefix="rollwise-sbx-probe-")
-            try:
-                for level in ("bwrap", "unshare"):
-                    works[level] = bool(shutil.which(level)) and _probe(
-                        [*_wrapper_argv(level, tmp), "/bin/sh", "-c", "true"])
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            _detected["works"] = works
+            if layers["landlock"] and layers["seccomp"]:
+                works["landlock"] = _probe("landlock")
+            else:
+                works["landlock"] = False
+            if not works["landlock"]:  # the layers do not work here: no level uses them
+                _detected["layers"] = {"landlock": 0, "seccomp": False}
+            for level in ("bwrap", "unshare"):
+                works[level] = bool(shutil.which(level)) and _probe(level)
+            _detected["works"] = {lvl: works[lvl] for lvl in ISOLATION_LEVELS}
         works = _detected["works"]
     if force not in (None, "auto"):
         if not works[force]:
@@ -181,12 +266,52 @@ def detect_isolation(force: str | None = None) -> str:
     return next(level for level in ISOLATION_LEVELS if works[level])
 
 
+def _layers(level: str) -> dict[str, Any]:
+    """What an execution under `level` uses (detection decided what the kernel offers)."""
+    found = _detected.get("layers") or {"landlock": 0, "seccomp": False}
+    confined = level != "rlimits"
+    return {"landlock": found["landlock"] if confined else 0,
+            "seccomp": found["seccomp"] and confined,
+            "mounts": level == "unshare",
+            "drop_uid": NOBODY if os.geteuid() == 0 else 0}
+
+
+def layer_names(level: str) -> list[str]:
+    """The active layers of `level`, in words, for the start-up line and summary.json."""
+    use = _layers(level)
+    names = {"bwrap": ["network, PID, IPC, UTS namespaces", "read-only file system",
+                       "private /tmp", "home hidden"],
+             "unshare": ["network, PID, IPC, UTS, mount namespaces", "read-only file system",
+                         "private /tmp", "home hidden"]}.get(level, [])
+    if use["landlock"]:
+        names.append(f"Landlock ABI {use['landlock']}")
+    if use["seccomp"]:
+        names.append("seccomp")
+    if use["drop_uid"]:
+        names.append("code runs as nobody")
+    names.append("verdict outside the code's process")
+    return names
+
+
 def isolation_info(level: str | None = None) -> dict[str, Any]:
     """What the sandbox uses here, for the run header and summary.json."""
     level = level or detect_isolation()
-    return {"isolation": level, "drops_root": os.geteuid() == 0,
+    return {"isolation": level, "layers": layer_names(level),
+            "drops_root": os.geteuid() == 0,
             "available": dict(_detected.get("works", {})),
-            "security_boundary": level != "rlimits"}
+            "security_boundary": level in SECURITY_BOUNDARY}
+
+
+def check_required(level: str, require: str) -> None:
+    """Refuse to run code rewards without isolation when the task asks for it
+    (``sandbox_require = "isolated"``)."""
+    if require not in REQUIRE:
+        raise ValueError(f"option sandbox_require={require!r}: expected {' or '.join(REQUIRE)}")
+    if require == "isolated" and level not in SECURITY_BOUNDARY:
+        raise RuntimeError(
+            f"sandbox_require = \"isolated\" but the sandbox here is {level!r} (limits only): "
+            f"install bubblewrap (apt-get install bubblewrap), allow user namespaces, or run on "
+            f"a kernel with Landlock and seccomp (available: {isolation_info(level)['available']})")
 
 
 def warn_if_unisolated(level: str) -> None:
@@ -199,64 +324,23 @@ def warn_if_unisolated(level: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The runner: the program the child runs (stdlib only, reads JSON from stdin)
+# The program the sandbox runs: `confine` and `runner`, compiled here once and sent on stdin
 
-RUNNER = r'''
-import json, os, resource, sys
-data = json.loads(sys.stdin.read())
-sys.stdin.close()
-_tag = data["nonce"]
-_out = os.fdopen(os.dup(1), "w", buffering=1)
-def _emit(*parts, _out=_out, _tag=_tag):
-    _out.write(_tag + " " + " ".join(str(p).replace("\n", " ")[:200] for p in parts) + "\n")
-    _out.flush()
-for _name in data["preimport"]:
-    try:
-        __import__(_name)
-    except Exception:
-        pass
-if data["drop_uid"] and os.geteuid() == 0:
-    os.setgroups([])
-    os.setgid(data["drop_uid"])
-    os.setuid(data["drop_uid"])
-_n = data["nproc"]
-try:
-    resource.setrlimit(resource.RLIMIT_NPROC, (_n, _n))
-except (ValueError, OSError):
-    pass
-_setup, _body, _is_test = data["setup"], data["body"], data["is_test"]
-_emit("ready", sum(_is_test))
-_ns = {"__name__": "solution", "__builtins__": __builtins__}
-try:
-    exec(compile(data["code"], "solution.py", "exec"), _ns)
-    if not callable(_ns.get(data["entry_point"])):
-        raise NameError("no function named " + data["entry_point"])
-    _candidate = _ns[data["entry_point"]]
-except BaseException as _err:
-    _emit("load_error", type(_err).__name__ + ": " + str(_err))
-    _out.close()
-    os._exit(0)
-_tns = _ns  # one namespace, as human-eval runs them: tests may call the code's helpers
-_tns["candidate"] = _candidate
-try:
-    exec(compile(_setup, "tests.py", "exec"), _tns)
-except BaseException as _err:
-    _emit("abort", -1, type(_err).__name__ + ": " + str(_err))
-    os._exit(0)
-for _i, (_stmt, _test) in enumerate(zip(_body, _is_test)):
-    try:
-        exec(compile(_stmt, "tests.py", "exec"), _tns)
-        if _test:
-            _emit("pass", _i)
-    except BaseException as _err:
-        if not _test:
-            _emit("abort", _i, type(_err).__name__ + ": " + str(_err))
-            break
-        _emit("fail", _i, type(_err).__name__ + ": " + str(_err))
-_emit("done")
-_out.close()
-os._exit(0)
-'''
+BOOTSTRAP = ("import marshal,sys,types\n"
+             "b=sys.stdin.buffer\n"
+             "m={}\n"
+             "for n,c in marshal.loads(b.read(int(b.readline()))):\n"
+             "    m[n]=types.ModuleType(n);exec(c,m[n].__dict__)\n"
+             "m['runner'].main(m['confine'])\n")
+
+
+@lru_cache(maxsize=1)
+def _program() -> bytes:
+    here = Path(__file__).parent
+    blob = marshal.dumps([(name, compile((here / f"{name}.py").read_text(),
+                                         f"<sandbox {name}>", "exec"))
+                          for name in ("confine", "runner")])
+    return f"{len(blob)}\n".encode() + blob
 
 
 def split_tests(tests: str) -> tuple[str, list[str], list[bool]]:
@@ -301,6 +385,185 @@ def _wanted_imports(code: str, tests: str) -> list[str]:
     return sorted(found & PREIMPORT)
 
 
+def run_tests(code: str, tests: str, entry_point: str, limits: SandboxLimits | None = None,
+              isolation: str | None = None, helpers: str = "", _probing: bool = False
+              ) -> ExecResult:
+    """One execution of `code` against `tests` (source holding ``def check(candidate)``);
+    `helpers` is trusted source the tests may use (a problem's own prompt code, e.g.
+    HumanEval's helper functions), run beside the tests, never taken from the completion.
+    Never raises for anything the code does. See the module docstring."""
+    limits = limits or SandboxLimits()
+    if not _probing:  # a level given by name still needs the layers detection found
+        level = detect_isolation(isolation)
+        warn_if_unisolated(level)
+    else:
+        level = isolation
+    start = time.perf_counter()
+    result = ExecResult(isolation=level)
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix="rollwise-sbx-"))
+    use = _layers(level)
+    try:
+        if use["drop_uid"]:
+            os.chown(workdir, NOBODY, NOBODY)
+        setup, body, is_test = split_tests(tests)
+        result.total = sum(is_test)
+        preimport = _wanted_imports(code, tests + "\n" + helpers)
+        payload = {
+            "code": code, "entry_point": entry_point, "preimport": preimport,
+            "drop_uid": use["drop_uid"], "nproc": int(limits.processes), "cpu_s": limits.cpu_s,
+            # nobody cannot pass the directories above the interpreter and no mount namespace
+            # re-mounts it: the code's process imports through descriptors opened before
+            "imports_via_fds": bool(use["drop_uid"]) and level in ("landlock", "rlimits")
+            and not all(readable_by_others(p) for p in interpreter_paths()),
+            # the runner stops the code a little before this process kills everything
+            "deadline": time.monotonic() + limits.wall_s - min(0.2, limits.wall_s / 4),
+            "landlock": {"read": [*interpreter_paths(), *LANDLOCK_READ],
+                         "write": [workdir, "/dev/null"]} if use["landlock"] else None,
+            "seccomp": use["seccomp"],
+            "mounts": {"hide": hidden_dirs(), "keep": list(interpreter_paths()),
+                       "writable": workdir} if use["mounts"] else None}
+        # sent only once the code's process exists, so it never holds them
+        secret = {"helpers": helpers, "setup": setup, "body": body, "is_test": is_test,
+                  "entry_point": entry_point}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
+               "TMPDIR": workdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        argv = [*_wrapper_argv(level, workdir), sys.executable, "-I", "-S", "-B", "-c",
+                BOOTSTRAP]
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=workdir, env=env,
+                                    start_new_session=True, close_fds=True,
+                                    # only setrlimit and signal between fork and exec; the
+                                    # reward workers that call this are single-threaded
+                                    preexec_fn=_set_limits(limits))  # noqa: PLW1509
+        except OSError as err:
+            result.status, result.reason = "infra", f"cannot start the sandbox: {err}"
+            return result
+        _communicate(proc, (_program() + json.dumps(payload).encode() + b"\n",
+                            json.dumps(secret).encode() + b"\n"), limits, start, result, is_test)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        result.seconds = time.perf_counter() - start
+    return result
+
+
+def _communicate(proc: subprocess.Popen, stdin: tuple[bytes, bytes], limits: SandboxLimits,
+                 start: float, result: ExecResult, is_test: list[bool]) -> None:
+    """Feed the program and the code, then the tests once the runner is ready; read the
+    runner's results (fd 1) and the code's output (fd 2) until the runner is done, a limit
+    is passed, or the deadline."""
+    cap = int(limits.output_kb) * 1024
+    deadline = start + limits.wall_s
+    _feed(proc, stdin[0], close=False)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "results")
+    sel.register(proc.stderr, selectors.EVENT_READ, "output")
+    lines, output, seen = b"", [], 0
+    state: dict[str, Any] = {"passed": set()}
+    killed = None
+    try:
+        while sel.get_map() and "done" not in state:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                killed = "timeout"
+                break
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                chunk = os.read(key.fileobj.fileno(), 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                elif key.data == "results":
+                    lines += chunk
+                    *complete, lines = lines.split(b"\n")
+                    for line in complete:
+                        _take(line, state, is_test)
+                    if "ready" in state and proc.stdin and not proc.stdin.closed:
+                        _feed(proc, stdin[1], close=True)
+                    if len(lines) > 1 << 20:  # the runner writes short lines
+                        lines = b""
+                else:
+                    seen += len(chunk)
+                    if seen > cap:
+                        killed = "output_limit"
+                        break
+                    output.append(chunk)
+            if killed:
+                break
+    finally:
+        sel.close()
+        _kill_group(proc)
+    result.output = b"".join(output).decode("utf-8", "replace")[:cap]
+    _verdict(result, state, killed, proc.returncode, limits)
+
+
+def _feed(proc: subprocess.Popen, data: bytes, close: bool) -> None:
+    try:
+        proc.stdin.write(data)
+        proc.stdin.flush()
+        if close:
+            proc.stdin.close()
+    except OSError:
+        pass  # the runner died before reading; its exit says why
+
+
+def _take(line: bytes, state: dict[str, Any], is_test: list[bool]) -> None:
+    """One result line of the runner (fd 1: only the runner writes there)."""
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return
+    if not isinstance(msg, dict):
+        return
+    if "passed" in msg:
+        i = msg["passed"]
+        if type(i) is int and 0 <= i < len(is_test) and is_test[i]:
+            state["passed"].add(i)  # a set: one pass per test at most
+    elif "fail" in msg:
+        state.setdefault("fails", []).append(str(msg.get("why", ""))[:300])
+    else:
+        for key in ("ready", "abort", "load_error", "ended", "infra", "done"):
+            if key in msg:
+                state[key] = msg
+                break
+
+
+def _verdict(result: ExecResult, state: dict[str, Any], killed: str | None, rc: int | None,
+             limits: SandboxLimits) -> None:
+    result.passed = min(len(state["passed"]), result.total)
+    fails = state.get("fails", [])
+    result.details = [f"fail: {why}" for why in fails]
+    if fails:
+        result.reason = f"test failed: {fails[0]}"
+    ready = "ready" in state
+    if killed == "output_limit":
+        result.status, result.reason = "output_limit", f"output over {limits.output_kb} KiB"
+    elif "infra" in state:
+        result.status, result.reason = "infra", str(state["infra"]["infra"])[:300]
+    elif "load_error" in state:
+        result.status = "load_error"
+        result.reason = f"the code does not load: {state['load_error']['load_error']}"
+    elif "ended" in state:
+        kind = state["ended"]["ended"]
+        result.status = kind if kind in ("timeout", "cpu_limit") else "crashed"
+        why = str(state["ended"].get("why", ""))[:300]
+        result.reason = f"wall time limit {limits.wall_s:g}s" if kind == "timeout" else why
+    elif "abort" in state:
+        result.status = "failed"
+        result.reason = f"test setup failed: {str(state['abort'].get('why', ''))[:300]}"
+    elif "done" in state:
+        result.status = "ok" if result.passed == result.total and result.total else "failed"
+        if not result.total:
+            result.reason = "the tests hold no assert"
+    elif not ready:
+        result.status = "infra"
+        result.reason = (f"the sandbox did not start within {limits.wall_s:g}s" if killed
+                         else f"sandbox exited with {rc} before its runner started: "
+                              f"{result.output[-300:]!r}")
+    elif killed == "timeout":
+        result.status, result.reason = "timeout", f"wall time limit {limits.wall_s:g}s"
+    else:
+        result.status, result.reason = "crashed", f"the runner ended early (exit {rc})"
+
+
 def _set_limits(limits: SandboxLimits):
     """preexec_fn: the child's rlimits (before the wrapper and the interpreter start)."""
     import resource
@@ -329,148 +592,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_tests(code: str, tests: str, entry_point: str, limits: SandboxLimits | None = None,
-              isolation: str | None = None) -> ExecResult:
-    """One execution of `code` against `tests` (source holding ``def check(candidate)``);
-    never raises for anything the code does. See the module docstring."""
-    limits = limits or SandboxLimits()
-    level = isolation or detect_isolation()
-    warn_if_unisolated(level)
-    start = time.perf_counter()
-    result = ExecResult(isolation=level)
-    workdir = tempfile.mkdtemp(prefix="rollwise-sbx-")
-    root = os.geteuid() == 0
-    try:
-        if root:
-            os.chown(workdir, NOBODY, NOBODY)
-        nonce = secrets.token_hex(16)
-        setup, body, is_test = split_tests(tests)
-        payload = json.dumps({"code": code, "setup": setup, "body": body, "is_test": is_test,
-                              "entry_point": entry_point,
-                              "nonce": nonce, "preimport": _wanted_imports(code, tests),
-                              "drop_uid": NOBODY if root else 0,
-                              "nproc": int(limits.processes)}).encode()
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
-               "TMPDIR": workdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-        argv = [*_wrapper_argv(level, workdir), sys.executable, "-I", "-S", "-B", "-c", RUNNER]
-        try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, cwd=workdir, env=env,
-                                    start_new_session=True, close_fds=True,
-                                    # only setrlimit and signal between fork and exec; the
-                                    # reward workers that call this are single-threaded
-                                    preexec_fn=_set_limits(limits))  # noqa: PLW1509
-        except OSError as err:
-            result.status, result.reason = "infra", f"cannot start the sandbox: {err}"
-            return result
-        _communicate(proc, payload, limits, start, nonce, result)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        result.seconds = time.perf_counter() - start
-    return result
-
-
-def _communicate(proc: subprocess.Popen, payload: bytes, limits: SandboxLimits, start: float,
-                 nonce: str, result: ExecResult) -> None:
-    """Feed the payload, read tagged lines and output until exit, a limit, or the deadline."""
-    cap = int(limits.output_kb) * 1024
-    deadline = start + limits.wall_s
-    try:
-        proc.stdin.write(payload)
-        proc.stdin.close()
-    except OSError:
-        pass  # the child died before reading; its exit says why
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf, seen, killed = b"", 0, None
-    own: list[bytes] = []
-    try:
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                killed = "timeout"
-                break
-            if not sel.select(timeout=min(left, 0.5)):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            seen += len(chunk)
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                _take(line, nonce, result, own)
-            if "done" in result.details or result.status == "load_error":
-                break  # finished: whatever it left running is killed with the group below
-            if seen > cap + 65536:  # allow the tagged lines some room beyond the cap
-                killed = "output_limit"
-                break
-            if len(buf) > cap:
-                own.append(buf[:1024])
-                buf = b""
-    finally:
-        sel.close()
-        _kill_group(proc)
-    result.output = b"\n".join(own).decode("utf-8", "replace")[:cap]
-    rc = proc.returncode
-    if result.status == "load_error":
-        return
-    ready = result.total > 0 or "ready" in result.details
-    if killed == "timeout":
-        if not ready:
-            result.status, result.reason = "infra", (
-                f"the sandbox did not start within {limits.wall_s:g}s")
-        else:
-            result.status, result.reason = "timeout", f"wall time limit {limits.wall_s:g}s"
-    elif killed == "output_limit":
-        result.status, result.reason = "output_limit", f"output over {limits.output_kb} KiB"
-    elif "done" in result.details:
-        result.status = "ok" if result.passed == result.total else "failed"
-    elif not ready:
-        result.status = "infra"
-        result.reason = f"sandbox exited with {rc} before its runner started: " \
-                        f"{result.output[-300:]!r}"
-    elif "abort" in result.details:
-        result.status = "failed"
-    elif rc != 0 and time.perf_counter() - start >= 0.9 * limits.cpu_s:
-        # killed by RLIMIT_CPU (SIGKILL at the hard limit; the wrappers report it as a
-        # signal, 128 + signal, or their own error); a crash this late reads the same
-        result.status, result.reason = "cpu_limit", f"CPU time limit {limits.cpu_s}s (exit {rc})"
-    else:
-        result.status, result.reason = "crashed", f"the code ended the process (exit {rc})"
-    result.details = [d for d in result.details if d not in ("ready", "done", "abort")]
-
-
-def _take(line: bytes, nonce: str, result: ExecResult, own: list[bytes]) -> None:
-    text = line.decode("utf-8", "replace")
-    if not text.startswith(nonce + " "):
-        if sum(map(len, own)) < 1 << 20:
-            own.append(line[:4096])
-        return
-    kind, _, rest = text[len(nonce) + 1:].partition(" ")
-    if kind == "ready":
-        result.total = int(rest)
-        result.details.append("ready")
-    elif kind == "pass":
-        result.passed += 1
-    elif kind == "fail":
-        result.details.append(f"fail: {rest.partition(' ')[2]}")
-        result.reason = result.reason or f"test failed: {rest.partition(' ')[2]}"
-    elif kind == "abort":
-        result.details.append("abort")
-        result.reason = f"test setup failed: {rest.partition(' ')[2]}"
-    elif kind == "load_error":
-        result.status, result.reason = "load_error", f"the code does not load: {rest}"
-    elif kind == "done":
-        result.details.append("done")
-
 
 def execute(code: str, tests: str, entry_point: str, limits: SandboxLimits | None = None,
-            isolation: str | None = None, retries: int = 1) -> ExecResult:
+            isolation: str | None = None, retries: int = 1, helpers: str = "") -> ExecResult:
     """`run_tests`, retried `retries` times on an infrastructure failure; then InfraError."""
     for attempt in range(retries + 1):
         with _concurrency((limits or SandboxLimits()).wall_s):
-            result = run_tests(code, tests, entry_point, limits, isolation)
+            result = run_tests(code, tests, entry_point, limits, isolation, helpers)
         if not result.infra:
             return result
         if attempt == retries:
@@ -485,21 +613,38 @@ def execute(code: str, tests: str, entry_point: str, limits: SandboxLimits | Non
 # worker killed mid-execution (the pool's time limit) cannot leak a slot.
 
 _SLOT_FILES: list[str] = []
+_SLOTS_PREFIX = "rollwise-sbx-slots-"
 
 
 def set_max_concurrent(n: int) -> None:
     """Allow at most `n` executions at once across this process and the workers it forks
-    afterwards (the first call in a process decides)."""
+    afterwards (the first call in a process decides). The slot files live in a folder named
+    after this process, removed when it exits (and by a later run when it was killed)."""
     global _SLOT_FILES
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"sandbox max_concurrent={n!r}: expected an integer >= 1")
     if _SLOT_FILES:
         return
-    folder = tempfile.mkdtemp(prefix="rollwise-sbx-slots-")
+    _sweep_stale_slots()
+    folder = tempfile.mkdtemp(prefix=f"{_SLOTS_PREFIX}{os.getpid()}-")
     paths = [os.path.join(folder, f"slot{i}") for i in range(n)]
     for path in paths:
         open(path, "w").close()
     _SLOT_FILES = paths
+    atexit.register(_remove_slots, folder, os.getpid())
+
+
+def _remove_slots(folder: str, owner: int) -> None:
+    if os.getpid() == owner:  # not in a forked worker that happens to run atexit hooks
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep_stale_slots() -> None:
+    """Remove slot folders whose process is gone (a run that was killed)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_SLOTS_PREFIX}*"):
+        owner = path.name[len(_SLOTS_PREFIX):].partition("-")[0]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class _concurrency:

@@ -16,8 +16,10 @@ What the sandbox did (a time-out, a crash, a failing test) is recorded with the 
 error); an infrastructure failure raises `InfraError` (retried once, then masked).
 
 Options of both: ``sandbox = { cpu_s = 2, wall_s = 4, memory_mb = 1024, ... }`` (the fields of
-`SandboxLimits`), ``isolation = "auto"`` ("bwrap", "unshare" or "rlimits" to force one) and
-``max_concurrent = 2`` (executions at once across all reward workers). The reward pool's
+`SandboxLimits`), ``isolation = "auto"`` ("bwrap", "unshare", "landlock" or "rlimits" to force
+one), ``sandbox_require = "any"`` ("isolated" refuses to build the task where only limits
+would hold the code) and ``max_concurrent = 2`` (executions at once across all reward
+workers). The reward pool's
 time limit is raised to cover a retried execution and the waits for a slot (4 x wall_s +
 5 s).
 """
@@ -33,6 +35,7 @@ from typing import Any
 from rollwise.rewards.pool import Scored
 from rollwise.rewards.sandbox import (
     SandboxLimits,
+    check_required,
     detect_isolation,
     execute,
     isolation_info,
@@ -72,21 +75,25 @@ def program_of(completion: str, sample: Sample) -> str:
 def code_verifier(completion: str, sample: Sample, *, limits: SandboxLimits,
                   isolation: str | None = None) -> float:
     """Fraction of the sample's tests passed by the completion's code, in the sandbox."""
+    # the problem's own prompt code (its helpers, which some tests call) runs beside the
+    # tests from the data set, never from the completion, which may redefine it
     result = execute(program_of(completion, sample), sample.meta["tests"],
-                     sample.meta["entry_point"], limits, isolation)
+                     sample.meta["entry_point"], limits, isolation,
+                     helpers=sample.meta.get("code_prompt", ""))
     note = "" if result.status == "ok" else \
         f"sandbox {result.status} ({result.passed}/{result.total}): {result.reason}"
     return Scored(result.score, note)
 
 
-def _limits(sandbox: dict[str, Any] | None, isolation: str, max_concurrent: int
-            ) -> tuple[SandboxLimits, str]:
+def _limits(sandbox: dict[str, Any] | None, isolation: str, max_concurrent: int,
+            require: str) -> tuple[SandboxLimits, str]:
     try:
         limits = SandboxLimits(**(sandbox or {}))
     except TypeError as err:
         fields = ", ".join(SandboxLimits.__dataclass_fields__)
         raise ValueError(f"option sandbox: {err}; accepted: {fields}") from None
     level = detect_isolation(isolation)
+    check_required(level, require)
     set_max_concurrent(max_concurrent)  # before the reward workers fork
     return limits, level
 
@@ -107,6 +114,7 @@ def build_humaneval(
     sandbox: dict[str, Any] | None = None,
     isolation: str = "auto",
     max_concurrent: int = 2,
+    sandbox_require: str = "any",
     style: str = "chat",
 ) -> Task:
     """HumanEval's 164 problems as the eval split (the first num_eval of them, in order).
@@ -120,7 +128,7 @@ def build_humaneval(
 
     if style not in ("chat", "complete"):
         raise ValueError(f"option style={style!r}: expected chat or complete")
-    limits, level = _limits(sandbox, isolation, max_concurrent)
+    limits, level = _limits(sandbox, isolation, max_concurrent, sandbox_require)
     problems = list(read_problems().values())
     samples = []
     for i, p in enumerate(problems):
@@ -232,6 +240,7 @@ def build_pycode(
     sandbox: dict[str, Any] | None = None,
     isolation: str = "auto",
     max_concurrent: int = 2,
+    sandbox_require: str = "any",
 ) -> Task:
     """Procedural small-function tasks (see `_TEMPLATES` for the kinds); `templates` limits
     the kinds (default all).
@@ -250,7 +259,7 @@ def build_pycode(
             raise unknown_name_error("pycode template", name, names)
     if not isinstance(num_tests, int) or not 1 <= num_tests <= 50:
         raise ValueError(f"option num_tests={num_tests!r}: expected an integer from 1 to 50")
-    limits, level = _limits(sandbox, isolation, max_concurrent)
+    limits, level = _limits(sandbox, isolation, max_concurrent, sandbox_require)
     draw = partial(_draw_pycode, names=chosen, num_tests=num_tests)
     train, eval_ = draw_split(draw, name="pycode", setup=setup, unique=True)
     return _code_task("pycode", train, eval_, limits, level, max_concurrent)
