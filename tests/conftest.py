@@ -72,6 +72,18 @@ def _teacher_logprobs(model, prompts, completions) -> list[torch.Tensor]:
 
 
 @pytest.fixture
+def test_device() -> torch.device:
+    """The device of `device`-marked tests: $ROLLWISE_TEST_DEVICE (default cpu), so the same
+    tests run on a GPU where one is there (scripts/gpu_check.sh). A device this torch
+    cannot use skips the test with the reason."""
+    name = os.environ.get("ROLLWISE_TEST_DEVICE", "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"ROLLWISE_TEST_DEVICE={name} but this torch sees no CUDA device")
+    return device
+
+
+@pytest.fixture
 def teacher_logprobs():
     """Builder: teacher_logprobs(model, prompts, completions) -> [log-probs per completion]."""
     return _teacher_logprobs

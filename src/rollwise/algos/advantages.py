@@ -39,7 +39,7 @@ def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     """Per-row mean and unbiased std of the row's group ([N] each); std is 0 for a group of 1."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     values = values.double()
-    sums = torch.zeros(len(counts), dtype=values.dtype).index_add_(0, inverse, values)
+    sums = values.new_zeros(len(counts)).index_add_(0, inverse, values)
     mean = sums / counts
     sq = torch.zeros_like(sums).index_add_(0, inverse, (values - mean[inverse]) ** 2)
     var = sq / (counts - 1).clamp(min=1)
@@ -167,7 +167,7 @@ def mc_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: str = "mad
         raise ValueError(f"mc_grpo: unknown scale '{scale}'; use mad, std or none")
     r = rewards.double()
     adv = torch.zeros_like(r)
-    keep = torch.ones(len(r), dtype=torch.bool)
+    keep = torch.ones(len(r), dtype=torch.bool, device=r.device)
     _, std = group_stats(r, group_ids)
     for rows in _groups(group_ids):
         vals = r[rows]
@@ -176,7 +176,7 @@ def mc_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: str = "mad
         median = vals[mid]
         keep[rows[mid]] = False
         if scale == "none":
-            s = torch.ones((), dtype=r.dtype)
+            s = r.new_ones(())
         elif scale == "std":
             s = std[rows[0]]
         else:
@@ -233,7 +233,7 @@ def pass_at_k(rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 4,
     gradient flows to them.
     """
     correct = (rewards.detach() >= correct_threshold)
-    adv = torch.zeros(len(rewards), dtype=torch.float64)
+    adv = torch.zeros(len(rewards), dtype=torch.float64, device=rewards.device)
     for rows in _groups(group_ids):
         n = len(rows)
         kk = min(k, n)
@@ -241,8 +241,8 @@ def pass_at_k(rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 4,
         mean = 1 - math.comb(m, kk) / math.comb(n, kk)
         s = math.sqrt(mean * (1 - mean)) + eps
         miss = math.comb(m - 1, kk - 1) / math.comb(n - 1, kk - 1) if m > 0 else 0.0
-        adv[rows] = torch.where(correct[rows], torch.tensor((1 - mean) / s, dtype=torch.float64),
-                                torch.tensor((1 - mean - miss) / s, dtype=torch.float64))
+        adv[rows] = torch.where(correct[rows], adv.new_tensor((1 - mean) / s),
+                                adv.new_tensor((1 - mean - miss) / s))
     return adv.to(rewards.dtype)
 
 
@@ -270,12 +270,12 @@ def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
     if step_rewards is None:
         step_rewards = r[:, None]
     if anchors is None:
-        anchors = torch.zeros(step_rewards.shape, dtype=torch.long)
+        anchors = torch.zeros(step_rewards.shape, dtype=torch.long, device=r.device)
     mean, std = group_stats(r, group_ids)
     episode = (r - mean) / (std + eps) if normalize else r - mean
     k_max = step_rewards.shape[1]
     rets = torch.zeros_like(step_rewards, dtype=torch.float64)
-    running = torch.zeros(len(r), dtype=torch.float64)
+    running = r.new_zeros(len(r))
     for k in reversed(range(k_max)):  # [N] discounted return from turn k to the end
         running = step_rewards[:, k].double() + gamma * running
         rets[:, k] = running

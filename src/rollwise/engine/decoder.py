@@ -142,18 +142,20 @@ class _Dense:
 _weight_levels: dict[str, int] = {}
 
 
-def int8_weight_levels() -> int:
+def int8_weight_levels(device: torch.device | str = "cpu") -> int:
     """127, or 63 where this process's int8 product saturates with full-range weights.
 
     Without VNNI (AVX2, or oneDNN capped to it) the integer kernel multiplies unsigned 8-bit
     activations (the signed ones shifted by 128) with signed 8-bit weights and adds pairs into
     16 bits with saturation: 255 x 127 x 2 overflows 32767, while 255 x 64 x 2 does not. So
     there the weights use 7 bits. Decided by a product whose exact result is known, once per
-    process (the kernel does not change within one)."""
-    key = torch.backends.cpu.get_cpu_capability()
+    process and device (the kernel does not change within one); on a GPU the product runs
+    there (its integer kernels accumulate in 32 bits: 127 expected)."""
+    device = torch.device(device)
+    key = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else str(device)
     if key not in _weight_levels:
-        x = torch.full((8, 256), 127, dtype=torch.int8)
-        w = torch.full((32, 256), 127, dtype=torch.int8)
+        x = torch.full((32, 256), 127, dtype=torch.int8, device=device)
+        w = torch.full((32, 256), 127, dtype=torch.int8, device=device)
         exact = bool((torch._int_mm(x, w.t()) == 127 * 127 * 256).all())
         _weight_levels[key] = 127 if exact else 63
     return _weight_levels[key]
@@ -171,7 +173,7 @@ class _Int8Dense:
         """`smooth`: [K] SmoothQuant factors s; W is stored as W s and x is read as x / s."""
         w = w.float() if smooth is None else w.float() * smooth
         self.inv = None if smooth is None else 1.0 / smooth
-        self.scale = w.abs().amax(1).clamp_(min=1e-12) / int8_weight_levels()  # [N]
+        self.scale = w.abs().amax(1).clamp_(min=1e-12) / int8_weight_levels(w.device)  # [N]
         # stored [N, K] and passed transposed: the layout oneDNN's int8 product runs fastest on
         self.wq = (w / self.scale[:, None]).round_().to(torch.int8)
         self.b = None if b is None else b.float()

@@ -101,7 +101,8 @@ class DecodeStep:
         self._epoch = -1  # the cache allocation the graphs were captured on
         self._pool = None
         self._compiled = None
-        self.captures = 0  # graphs captured (or buckets compiled) so far
+        self.captures = 0  # graphs captured so far
+        self.calls = 0  # decode steps run through this object
 
     # -- the host side: one pass over the rows ---------------------------------------------
 
@@ -140,6 +141,7 @@ class DecodeStep:
         Returns ([2, len(reqs)] ids and log-probs on the host, None), or (None, [len, V]
         logits) when some row asks for top-k/top-p truncation."""
         n = len(reqs)
+        self.calls += 1
         rows = row_bucket(n) if self.bucketed else n
         cache = self.cache
         cache.ensure_rows(rows, max(r.cached for r in reqs) + 1)
