@@ -345,3 +345,22 @@ def test_a_background_child_does_not_hold_the_result(level) -> None:
     assert result.score == 1.0 and seconds < LIMITS.wall_s
     time.sleep(0.2)
     assert _sandbox_processes() == []
+
+
+def test_slot_folders_are_removed(tmp_path) -> None:
+    """A run's slot folder goes when it exits; one left by a killed run goes at the next."""
+    import subprocess
+    import sys
+
+    stale = tmp_path / "rollwise-sbx-slots-999999999-dead"  # no such process
+    stale.mkdir()
+    code = ("import tempfile\n"
+            f"tempfile.tempdir = {str(tmp_path)!r}\n"
+            "from rollwise.rewards import sandbox as sb\n"
+            "sb.set_max_concurrent(2)\n"
+            "print(sb._SLOT_FILES[0])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    slot = Path(done.stdout.strip())
+    assert slot.parent.parent == tmp_path and slot.name == "slot0"
+    assert not slot.parent.exists() and not stale.exists()

@@ -76,6 +76,8 @@ def decode(tree: Any, depth: int = 0) -> Any:
     if depth > 200 or type(tree) is not list or not tree or type(tree[0]) is not str:
         raise ValueError("not a canonical value")
     tag, rest = tree[0], tree[1:]
+    if tag not in ("i", "f", "c", "b", *_CONTAINERS):
+        raise ValueError(f"unknown canonical tag {tag[:20]!r}")
     if any(type(r) is not (list if tag in _CONTAINERS else str) for r in rest) or \
             len(rest) != (2 if tag == "c" else 1):
         raise ValueError(f"malformed canonical value {tag!r}")
