@@ -173,7 +173,7 @@ def _echo_build(info: dict, echo: Callable[[str], None], warn: Callable[[str], N
     echo(info["precision_line"])
     if "sandbox" in info:  # code tasks: what isolates model-written code here
         box = info["sandbox"]
-        line = f"sandbox: {box['isolation']}"
+        line = f"sandbox: {box['isolation']} ({'; '.join(box.get('layers', []))})"
         if box["security_boundary"]:
             echo(line)
         else:
