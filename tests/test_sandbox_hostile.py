@@ -166,7 +166,8 @@ def test_the_tests_never_reach_the_code_and_values_are_canonical() -> None:
     for bad in (len, object(), type("I", (int,), {})(1), type("S", (str,), {})("a")):
         with pytest.raises(TypeError):
             runner.encode(bad)
-    for forged in (["i", 1], 5, ["x", "1"], ["l", "abc"], ["d", [["a"]]]):
+    for forged in (["i", 1], "i1", "i1;x", "x1;", "l2:i1;", "s5:ab", "d1:N", "i--1;", "fabc;",
+                   "l999999999:", "i" + "9" * 6000 + ";", "b3:zz"):
         with pytest.raises(ValueError):
             runner.decode(forged)
 

@@ -1,6 +1,9 @@
 """`rollwise bench reward`: what the code sandbox costs per execution, per isolation level.
 
-Each repetition runs every level once over the same programs (pycode eval samples with their
+Every level is timed with the layers it uses here (Landlock, seccomp, the drop to nobody,
+the candidate process the verdict is decided outside of); the target (mean <= 50 ms)
+applies to the default level, the one detection picks. Each repetition runs every level once
+over the same programs (pycode eval samples with their
 reference solutions, so every test passes), alternating which level goes first, in one
 process; per-execution wall times give mean, median and p95, and the ratios to the
 limits-only level are medians over repetitions. Deterministic counters beside them:
@@ -30,6 +33,7 @@ def run(executions: int = 40, reps: int = 3, levels: tuple[str, ...] = (),
     from rollwise.tasks import make_task
     from rollwise.tasks.code import program_of
 
+    detected = detect_isolation()  # the default backend here: the target applies to it
     works = []
     for level in levels or ISOLATION_LEVELS:
         try:
@@ -71,7 +75,9 @@ def run(executions: int = 40, reps: int = 3, levels: tuple[str, ...] = (),
                         "median_ms": statistics.median(ms),
                         "p95_ms": ms[min(len(ms) - 1, int(0.95 * len(ms)))],
                         f"over_{base}": ratio, **counts[level],
-                        "meets_target": statistics.fmean(ms) <= TARGET_MEAN_MS})
+                        "default": level == detected,
+                        "meets_target": statistics.fmean(ms) <= TARGET_MEAN_MS,
+                        "layers": "; ".join(isolation_info(level)["layers"])})
     return {"benchmark": "reward", "executions_per_rep": executions, "reps": reps,
             "target_mean_ms": TARGET_MEAN_MS, "limits": limits.__dict__,
             "detected": isolation_info(), "results": results}

@@ -30,7 +30,6 @@ and then raises `InfraError`, which the reward pool counts apart and masks.
 from __future__ import annotations
 
 import atexit
-import json
 import marshal
 import os
 import selectors
@@ -439,8 +438,8 @@ def run_tests(code: str, tests: str, entry_point: str, limits: SandboxLimits | N
         except OSError as err:
             result.status, result.reason = "infra", f"cannot start the sandbox: {err}"
             return result
-        _communicate(proc, (_program() + json.dumps(payload).encode() + b"\n",
-                            json.dumps(secret).encode() + b"\n"), limits, start, result, is_test)
+        _communicate(proc, (_program() + _frame("payload", payload),
+                            _frame("tests", secret)), limits, start, result, is_test)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         result.seconds = time.perf_counter() - start
@@ -495,6 +494,12 @@ def _communicate(proc: subprocess.Popen, stdin: tuple[bytes, bytes], limits: San
     _verdict(result, state, killed, proc.returncode, limits)
 
 
+def _frame(kind: str, message: dict) -> bytes:
+    """One length-prefixed marshal message for the runner (trusted data, plain types)."""
+    data = marshal.dumps(message)
+    return f"{kind} {len(data)}\n".encode() + data
+
+
 def _feed(proc: subprocess.Popen, data: bytes, close: bool) -> None:
     try:
         proc.stdin.write(data)
@@ -506,24 +511,20 @@ def _feed(proc: subprocess.Popen, data: bytes, close: bool) -> None:
 
 
 def _take(line: bytes, state: dict[str, Any], is_test: list[bool]) -> None:
-    """One result line of the runner (fd 1: only the runner writes there)."""
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        return
-    if not isinstance(msg, dict):
-        return
-    if "passed" in msg:
-        i = msg["passed"]
-        if type(i) is int and 0 <= i < len(is_test) and is_test[i]:
-            state["passed"].add(i)  # a set: one pass per test at most
-    elif "fail" in msg:
-        state.setdefault("fails", []).append(str(msg.get("why", ""))[:300])
-    else:
-        for key in ("ready", "abort", "load_error", "ended", "infra", "done"):
-            if key in msg:
-                state[key] = msg
-                break
+    """One result line of the runner (fd 1: only the runner writes there):
+    ``<kind> <fields>``, e.g. ``passed 3`` or ``ended cpu_limit CPU time limit 2s``."""
+    kind, _, rest = line.decode("utf-8", "replace").partition(" ")
+    if kind == "passed":
+        if rest.isascii() and rest.isdigit() and int(rest) < len(is_test) and is_test[int(rest)]:
+            state["passed"].add(int(rest))  # a set: one pass per test at most
+    elif kind == "fail":
+        state.setdefault("fails", []).append(rest.partition(" ")[2])
+    elif kind == "abort":
+        state["abort"] = rest.partition(" ")[2]
+    elif kind == "ended":
+        state["ended"] = rest.partition(" ")[::2]  # (kind, why)
+    elif kind in ("ready", "done", "load_error", "infra"):
+        state[kind] = rest
 
 
 def _verdict(result: ExecResult, state: dict[str, Any], killed: str | None, rc: int | None,
@@ -537,18 +538,16 @@ def _verdict(result: ExecResult, state: dict[str, Any], killed: str | None, rc: 
     if killed == "output_limit":
         result.status, result.reason = "output_limit", f"output over {limits.output_kb} KiB"
     elif "infra" in state:
-        result.status, result.reason = "infra", str(state["infra"]["infra"])[:300]
+        result.status, result.reason = "infra", state["infra"]
     elif "load_error" in state:
         result.status = "load_error"
-        result.reason = f"the code does not load: {state['load_error']['load_error']}"
+        result.reason = f"the code does not load: {state['load_error']}"
     elif "ended" in state:
-        kind = state["ended"]["ended"]
+        kind, why = state["ended"]
         result.status = kind if kind in ("timeout", "cpu_limit") else "crashed"
-        why = str(state["ended"].get("why", ""))[:300]
         result.reason = f"wall time limit {limits.wall_s:g}s" if kind == "timeout" else why
     elif "abort" in state:
-        result.status = "failed"
-        result.reason = f"test setup failed: {str(state['abort'].get('why', ''))[:300]}"
+        result.status, result.reason = "failed", f"test setup failed: {state['abort']}"
     elif "done" in state:
         result.status = "ok" if result.passed == result.total and result.total else "failed"
         if not result.total:
