@@ -191,3 +191,16 @@ def test_cache_growth_is_counted(tiny_llama) -> None:
     assert cache.epoch == e + 1
     cache.ensure_rows(4, 10)  # fits: no reallocation
     assert cache.epoch == e + 1
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager(model) -> None:
+    """torch.compile'd step (symbolic sizes: one compilation serves every batch) decodes
+    the same tokens; inductor may fuse and reorder float32 sums, so log-probs to 1e-4."""
+    submits = [(p, SamplingParams(temperature=[1.0, 0.0][k % 2], max_tokens=10 + k), 9 * i + k)
+               for i, p in enumerate(PROMPTS) for k in range(3)]
+    ref, _ = _run(model, "eager", torch.device("cpu"), submits, steps_before_abort=3,
+                  abort=(2,))
+    got, _ = _run(model, "compile", torch.device("cpu"), submits, steps_before_abort=3,
+                  abort=(2,))
+    _same(ref, got, 1e-4)

@@ -247,12 +247,17 @@ def serve(model: Annotated[str, typer.Option(
           max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded at once.")] = 64,
           kv_budget_tokens: Annotated[int, typer.Option(help="KV cache size in tokens.")
                                       ] = 65536,
+          device: Annotated[str, typer.Option(help="Torch device: cpu, cuda or cuda:N.")
+                            ] = "cpu",
           threads: Annotated[int, typer.Option(help="Torch CPU threads (0: all cores).")] = 0):
     """Serve a model over an OpenAI-compatible HTTP API (docs/serve.md)."""
     import uvicorn
 
+    from rollwise.preflight import require_device
     from rollwise.runtime import configure
     from rollwise.serve import Limits, make_server
+
+    require_device(device)
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print(f"[bold yellow]warning:[/] serving on {host} without --api-key: anyone "
@@ -261,7 +266,8 @@ def serve(model: Annotated[str, typer.Option(
     limits = Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens, max_n=max_n)
     try:
         server = make_server(model, step=step, dtype=dtype, api_key=api_key, limits=limits,
-                             max_num_seqs=max_num_seqs, kv_budget_tokens=kv_budget_tokens)
+                             max_num_seqs=max_num_seqs, kv_budget_tokens=kv_budget_tokens,
+                             device=device)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
     console.print(f"serving '{server.name}' (policy version {server.engine.version}) on "

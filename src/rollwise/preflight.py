@@ -152,23 +152,34 @@ def _check_combinations(cfg: Config) -> None:
                           "(rollout.engine='native')")
 
 
-def check_device(device: str) -> None:
-    """The torch device exists in this torch build and on this machine."""
+def check_device(device: str, setting: str = "run.device") -> None:
+    """The torch device exists in this torch build and on this machine; `setting` names
+    where it was asked for (a config key or a command-line option) in the error."""
     import torch
 
+    said = f"{setting} = {device!r}" if "." in setting else f"{setting} {device}"
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"run.device = {device!r}: not a torch device ({e})") from None
+        raise ConfigError(f"{said}: not a torch device ({e})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            build = "a CPU-only torch build" if torch.version.cuda is None else "no visible GPU"
-            raise ConfigError(f"run.device = {device!r}: CUDA is not available here ({build}); "
-                              "use run.device = 'cpu'")
+            build = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda
+                     is None else f"torch {torch.__version__} sees no GPU")
+            raise ConfigError(f"{said}: CUDA is not available here ({build}); use 'cpu', or a "
+                              "CUDA build of torch on a machine with an NVIDIA GPU")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"run.device = {device!r}: only {torch.cuda.device_count()} "
-                              "CUDA device(s) visible")
+            raise ConfigError(f"{said}: only {torch.cuda.device_count()} CUDA device(s) visible")
     elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"run.device = {device!r}: MPS is not available here; use 'cpu'")
+        raise ConfigError(f"{said}: MPS is not available here; use 'cpu'")
     elif dev.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"run.device = {device!r}: rollwise runs on 'cpu', 'cuda' or 'mps'")
+        raise ConfigError(f"{said}: rollwise runs on 'cpu', 'cuda' or 'mps'")
+
+
+def require_device(device: str) -> None:
+    """For command-line tools: exit with one line, not a traceback, when this torch cannot
+    use `device` (their `--device` option)."""
+    try:
+        check_device(device, "--device")
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None

@@ -51,6 +51,7 @@ from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
 from rollwise.rewards.pool import NOTE
 from rollwise.runlock import RunLock
+from rollwise.runtime import device_memory
 from rollwise.types import CORRECT, Group, Trajectory
 
 
@@ -359,7 +360,7 @@ class Run:
             "time_other": max(seconds - sum(phases.values()), 0.0),
             "reward_errors": rewards.num_errors, "reward_timeouts": rewards.num_timeouts,
             "reward_infra": rewards.num_infra,
-            **update, **(control or {}),
+            **update, **(control or {}), **device_memory(),
         }
         record |= capacity(record, phases, seconds, sum(len(g.trajectories) for g in kept))
         problems = self.health.observe(record)

@@ -34,3 +34,16 @@ def configure(threads: int = 0) -> None:
     """Torch CPU threads (0: all cores) and the allocator."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
     tune_allocator()
+
+
+def device_memory() -> dict[str, float]:
+    """The GPU memory peak since the last call (`cuda_max_allocated_mb`, all CUDA devices in
+    use), then reset; {} where CUDA was never used in this process."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    peak = 0
+    for i in range(torch.cuda.device_count()):
+        peak = max(peak, torch.cuda.max_memory_allocated(i))
+        torch.cuda.reset_peak_memory_stats(i)
+    return {"cuda_max_allocated_mb": peak / 2**20}
+

@@ -14,6 +14,7 @@ bench_app = typer.Typer(add_completion=False, no_args_is_help=True,
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write results here (+ .html).")]
 ModelOpt = Annotated[str, typer.Option(help="'tiny' or 'smollm2-135m'.")]
 ThreadsOpt = Annotated[int, typer.Option(help="Torch CPU threads (0: all cores).")]
+DeviceOpt = Annotated[str, typer.Option(help="Torch device: cpu, cuda or cuda:N.")]
 
 
 def _say(message: str) -> None:
@@ -33,26 +34,38 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
                 "picks on this machine); repeatable: the precision axis; default float32.")] = None,
             workload: Annotated[list[str] | None, typer.Option(
                 help="natural and/or fixed (repeatable; default both).")] = None,
-            device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+            device: DeviceOpt = "cpu",
+            step_mode: Annotated[list[str] | None, typer.Option(
+                help="Decode step: auto (CUDA graphs on a GPU, eager on a CPU), eager, "
+                "padded, graph, compile (torch.compile), rows (the general chunk pass); "
+                "repeatable: one side each; default auto.")] = None,
             threads: ThreadsOpt = 0):
     """B1: native engine vs Hugging Face generate, tokens/s and roofline fraction."""
     from rollwise.bench import rollout as b1
+    from rollwise.preflight import require_device
     from rollwise.runtime import configure
 
+    require_device(device)
     configure(threads)
     data = b1.run(model, prompts=prompts, n=n, max_tokens=max_tokens, fixed_batch=fixed_batch,
                   fixed_tokens=fixed_tokens, reps=reps, dtypes=tuple(dtype or ("float32",)),
-                  device=device,
+                  device=device, step_modes=tuple(step_mode or ("auto",)),
                   workloads=tuple(workload or ("natural", "fixed")), progress=_say)
     print_table(f"B1 rollout throughput: {model}, {data['threads']} threads", data["results"],
                 ["workload", "engine", "tokens_per_s", "wall_s", "generated_tokens",
-                 "forward_passes", "latency_p50_s", "latency_p99_s", "slot_waste", "roofline",
-                 "decode_roofline"])
+                 "forward_passes", "decode_step_ms", "dispatches_per_step", "latency_p50_s",
+                 "latency_p99_s", "slot_waste", "roofline", "decode_roofline"])
     if data.get("auto_dtype"):
         typer.echo(f"auto = {data['auto_dtype']} on this machine")
+    for r in data["results"]:
+        if r.get("dispatches"):
+            typer.echo(f"{r['engine']}: {r['dispatches_per_step']:.0f} {r['dispatches']} per "
+                       f"decode step at batch {fixed_batch}; {r['decode_step_ms']:.2f} ms a step")
     for r in data["ratios"]:
         vs32 = (f"; / native float32 = {r['over_native_float32']:.2f}x"
                 if "over_native_float32" in r else "")
+        vs32 += "".join(f"; / {k[5:-5]} mode = {v:.2f}x" for k, v in r.items()
+                        if k.startswith("over_") and k.endswith("_mode"))
         typer.echo(f"{r['workload']}: {r['engine']} / hf tokens/s = "
                    f"{r['native_over_hf_tokens_per_s']:.2f}x{vs32} (median of {len(r['per_rep'])})")
     c = data["checks"]
@@ -197,16 +210,18 @@ def tail(model: ModelOpt = "tiny", json: JsonOpt = None,
              help="spec-reuse-specrl: SPEC-RL lenience (1: none; e^0.5 = 1.65).")] = 1.0,
          shift_steps: Annotated[int, typer.Option(
              help="spec-reuse: optimizer steps that change the policy between epochs.")] = 4,
-         threads: ThreadsOpt = 0):
+         device: DeviceOpt = "cpu", threads: ThreadsOpt = 0):
     """B2: rollout strategies on a long-tailed workload: tail time, tokens/s, forwards."""
     from rollwise.bench import tail as b2
+    from rollwise.preflight import require_device
     from rollwise.runtime import configure
 
+    require_device(device)
     configure(threads)
     data = b2.run(model, groups=groups, n=n, steps=steps, slots=slots,
                   chunk_tokens=chunk_tokens, reps=reps,
                   strategies=tuple(strategy or b2.STRATEGIES), lenience=lenience,
-                  shift_steps=shift_steps, progress=_say)
+                  shift_steps=shift_steps, device=device, progress=_say)
     print_table(f"B2 long tail: {model}, {groups} groups x {n} per step, {slots} slots",
                 data["strategies"],
                 ["strategy", "tokens_per_s", "makespan_s", "tail_time_s", "tail_vs_sync",
@@ -349,18 +364,21 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
             threads: ThreadsOpt = 0,
             variant: Annotated[list[str] | None, typer.Option(
                 help="Variants to time (repeatable; default all): float32, float32-unshared, "
-                "float32+tis, bf16-autocast, bf16-autocast+tis.")] = None):
+                "float32+tis, bf16-autocast, bf16-autocast+tis.")] = None,
+            device: DeviceOpt = "cpu"):
     """One learner update on a fixed batch: float32 vs bfloat16 autocast (+ TIS), prompts
     shared or not."""
     from rollwise.bench import learner as bl
+    from rollwise.preflight import require_device
     from rollwise.runtime import configure
 
+    require_device(device)
     configure(threads)
     variants = tuple(variant or bl.VARIANTS)
     bad = [v for v in variants if v not in bl.VARIANTS]
     if bad:
         raise typer.BadParameter(f"unknown variant(s) {bad}; known: {', '.join(bl.VARIANTS)}")
-    data = bl.run(model, reps=reps, variants=variants, progress=_say)
+    data = bl.run(model, reps=reps, variants=variants, device=device, progress=_say)
     print_table(f"learner update: {model}, {data['rows']} rows, {data['tokens']} tokens, "
                 f"{data['threads']} threads", data["variants"],
                 ["variant", "update_s", "min_s", "max_s", "speedup_vs_float32"])
@@ -379,14 +397,17 @@ def serve(model: ModelOpt = "tiny", json: JsonOpt = None,
           natural: Annotated[bool, typer.Option(
               "--natural", help="Let EOS end requests (default: exactly max_tokens each).")
               ] = False,
-          threads: ThreadsOpt = 0):
+          device: DeviceOpt = "cpu", threads: ThreadsOpt = 0):
     """The OpenAI-compatible server vs the engine's own generate: requests/s, tokens/s."""
     from rollwise.bench import serve as bs
+    from rollwise.preflight import require_device
     from rollwise.runtime import configure
 
+    require_device(device)
     configure(threads)
     data = bs.run(model, prompts=prompts, clients=tuple(clients or (8, 32)),
-                  max_tokens=max_tokens, reps=reps, ignore_eos=not natural, progress=_say)
+                  max_tokens=max_tokens, reps=reps, ignore_eos=not natural, device=device,
+                  progress=_say)
     print_table(f"serve: {model}, {prompts} prompts x {max_tokens} tokens, "
                 f"{data['threads']} threads (median of {reps})", data["results"],
                 ["side", "clients", "requests_per_s", "tokens_per_s", "wall_s", "tokens",

@@ -52,12 +52,45 @@ def matmul_peak_gflops(dtype: torch.dtype, size: int = 2048, reps: int = 5,
     product()
     times = []
     for _ in range(reps):
+        synchronize(a.device)  # nothing queued may be counted in the timed product
         start = time.perf_counter()
         product()
-        if a.is_cuda:
-            torch.cuda.synchronize()
+        synchronize(a.device)
         times.append(time.perf_counter() - start)
     return 2 * size**3 / statistics.median(times) / 1e9
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# CUDA runtime/driver calls that each put one unit of work on the GPU: a kernel, or a whole
+# captured graph (a replay counts as one)
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+             "cudaGraphLaunch", "cuGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def dispatches_per_call(fn, calls: int, device: torch.device | str) -> tuple[float, str]:
+    """(count per call, what was counted) of `fn` run `calls` times under the torch
+    profiler: on a GPU the kernel launches, graph replays and copies the host queued; on a
+    CPU the aten operators dispatched (nested ones included). Deterministic for a given
+    code path, unlike wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+    events = prof.events()
+    if cuda:
+        n = sum(1 for e in events if e.name in _LAUNCHES)
+        return n / calls, "GPU launches (kernels, graph replays, copies)"
+    return sum(1 for e in events if e.name.startswith("aten::")) / calls, "aten ops"
 
 
 def median(values: list[float]) -> float:

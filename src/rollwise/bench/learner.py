@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rollwise.bench.common import load_workload, median
+from rollwise.bench.common import load_workload, median, synchronize
 
 VARIANTS: dict[str, tuple[str, str, bool]] = {  # name: (precision, correction, share prompts)
     "float32": ("float32", "none", True),
@@ -54,11 +54,11 @@ def _batch(policy, prompts: list[list[int]], n: int, max_tokens: int, seed: int)
 
 def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens: int = 64,
         reps: int = 3, variants: tuple[str, ...] = tuple(VARIANTS), seed: int = 0,
-        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        device: str = "cpu", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from rollwise.algos import corrections, policy_losses
     from rollwise.learner import Learner
 
-    policy, ids = load_workload(model, prompts, seed)
+    policy, ids = load_workload(model, prompts, seed, device)
     batch = _batch(policy, ids, n, max_tokens, seed)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(reps):
@@ -71,8 +71,10 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
                               share_prompts=share,
                               correction_fn=None if correction == "none" else corrections[
                                   correction], correction_options={"cap": 2.0})
+            synchronize(device)
             start = time.perf_counter()
             learner.update(batch)
+            synchronize(device)
             times[v].append(time.perf_counter() - start)
             del learner
             if progress:
@@ -83,4 +85,5 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
     return {"benchmark": "learner precision", "model": model, "rows": batch.num_rows,
             "tokens": int(batch.attention_mask.sum()),
             "response_tokens": int(batch.loss_mask.sum()), "reps": reps,
-            "threads": torch.get_num_threads(), "variants": rows, "per_rep": times}
+            "threads": torch.get_num_threads(), "device": device, "variants": rows,
+            "per_rep": times}

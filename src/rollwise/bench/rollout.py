@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from rollwise.bench.common import load_workload, matmul_peak_gflops, median, percentile
+from rollwise.bench.common import (
+    dispatches_per_call,
+    load_workload,
+    matmul_peak_gflops,
+    median,
+    percentile,
+)
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.engine.hf import HFEngine
 
@@ -43,12 +49,13 @@ def _run_native(engine: NativeEngine, prompts: list[list[int]], params: Sampling
     wall = time.perf_counter() - start
     s = engine.stats
     decode_tokens = s.decode_tokens - before.decode_tokens
+    decode_passes = s.decode_passes - before.decode_passes
     return {"wall_s": wall, "generated_tokens": tokens,
             "forward_passes": s.forward_passes - before.forward_passes,
             "latencies": latencies, "slot_waste": 0.0,
             "processed_tokens": decode_tokens + (s.prefill_tokens - before.prefill_tokens)
             + (s.recompute_tokens - before.recompute_tokens),
-            "decode_tokens": decode_tokens,
+            "decode_tokens": decode_tokens, "decode_passes": decode_passes,
             "decode_s": s.decode_seconds - before.decode_seconds}
 
 
@@ -83,10 +90,27 @@ def _summarise(name: str, workload: str, runs: list[dict], params_count: int,
            "slot_waste": median([r["slot_waste"] for r in runs]),
            "roofline": median([2 * params_count * r["processed_tokens"] / r["wall_s"] / 1e9
                                for r in runs]) / peak}
+    if runs[0].get("decode_passes"):
+        row["decode_step_ms"] = median([1e3 * r["decode_s"] / r["decode_passes"] for r in runs])
     if "decode_s" in runs[0]:
         row["decode_roofline"] = median([2 * params_count * r["decode_tokens"] / r["decode_s"]
                                          / 1e9 for r in runs]) / peak
     return row
+
+
+def _decode_dispatches(engine: NativeEngine, prompts: list[list[int]],
+                       params: SamplingParams, steps: int = 4) -> tuple[float, str]:
+    """Kernels (GPU) or aten ops (CPU) dispatched per decode step, from the profiler, with
+    every row decoding (after two warm-up steps: admission, prefill, graph capture)."""
+    ids = [engine.submit(p, replace(params, n=1, max_tokens=steps + 4), seed=i, tag=i)
+           for i, p in enumerate(prompts) for _ in range(params.n)]
+    engine.step()
+    engine.step()
+    count = dispatches_per_call(engine.step, steps, engine.decoder.device)
+    for rid in ids:
+        if rid in engine.admission.requests:
+            engine.abort(rid)
+    return count
 
 
 def _checks(policy, engines: dict[str, NativeEngine], hf: HFEngine,
@@ -128,10 +152,12 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
         fixed_batch: int = 64, fixed_tokens: int = 64, reps: int = 3,
         dtypes: tuple[str, ...] = ("float32",), hf_batch: int = 64, device: str = "cpu",
         seed: int = 0, workloads: tuple[str, ...] = ("natural", "fixed"),
-        progress=None) -> dict[str, Any]:
-    """Each native engine dtype (the precision axis) against float32 `generate`; sides
-    alternate within a repetition (the first rotates); every roofline is against the
-    matrix-multiply peak of its own dtype, measured in this run."""
+        step_modes: tuple[str, ...] = ("auto",), progress=None) -> dict[str, Any]:
+    """Each native engine dtype (the precision axis) and decode step mode (engine/step.py)
+    against float32 `generate`; sides alternate within a repetition (the first rotates);
+    every roofline is against the matrix-multiply peak of its own dtype, measured in this
+    run. Beside tokens/s: the decode step's time and its kernels (GPU) or aten ops (CPU)
+    per step, counted by the profiler on the fixed workload's batch."""
     policy, ids = load_workload(model, max(prompts, fixed_batch), seed, device)
     auto = None
     if "auto" in dtypes:  # what training would pick here (rollwise.precision)
@@ -140,9 +166,13 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
         auto = resolve("auto", "float32", "none", shapes=ModelShapes.of(policy.model),
                        device=device).rollout
         dtypes = tuple(dict.fromkeys(auto if d == "auto" else d for d in dtypes))
-    natives = {d: NativeEngine(policy.model, dtype=getattr(torch, d), device=device,
-                               eos_token_ids=policy.stop_ids,
-                               max_num_seqs=max(prompts * n, fixed_batch)) for d in dtypes}
+    natives: dict[str, tuple[str, str, NativeEngine]] = {}  # side -> (dtype, mode, engine)
+    for d in dtypes:
+        for m in step_modes:
+            side = f"native-{d}" if len(step_modes) == 1 else f"native-{d}-{m}"
+            natives[side] = (d, m, NativeEngine(
+                policy.model, dtype=getattr(torch, d), device=device, step_mode=m,
+                eos_token_ids=policy.stop_ids, max_num_seqs=max(prompts * n, fixed_batch)))
     hf = HFEngine(policy.model, pad_token_id=policy.tokenizer.pad_token_id,
                   eos_token_ids=policy.stop_ids, batch_size=hf_batch)
     params_count = sum(p.numel() for p in policy.model.parameters())
@@ -155,7 +185,7 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
     }
     peaks = {d: matmul_peak_gflops(getattr(torch, d), device=device)
              for d in dict.fromkeys(("float32", *dtypes))}
-    sides = ["hf", *(f"native-{d}" for d in dtypes)]
+    sides = ["hf", *natives]
     rows, ratios = [], []
     for w in workloads:
         prompt_ids, params = specs[w]
@@ -165,28 +195,43 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
                 if side == "hf":
                     result = _run_hf(hf, prompt_ids, replace(params, seed=seed + rep))
                 else:
-                    result = _run_native(natives[side.removeprefix("native-")], prompt_ids,
+                    result = _run_native(natives[side][2], prompt_ids,
                                          replace(params, seed=seed + rep))
                 runs[side].append(result)
                 if progress:
                     progress(f"{w} rep {rep + 1}/{reps} {side}: "
                              f"{result['generated_tokens'] / result['wall_s']:.0f} tok/s")
         rows.append(_summarise("hf", w, runs["hf"], params_count, peaks["float32"]))
-        for d in dtypes:
-            side = f"native-{d}"
-            rows.append(_summarise(side, w, runs[side], params_count, peaks[d]) | {"dtype": d})
-            per_rep = [(b["generated_tokens"] / b["wall_s"]) / (a["generated_tokens"] / a["wall_s"])
-                       for a, b in zip(runs["hf"], runs[side])]
-            ratio = {"workload": w, "engine": side, "dtype": d,
-                     "native_over_hf_tokens_per_s": median(per_rep), "per_rep": per_rep}
-            if "float32" in dtypes and d != "float32":
-                vs32 = [(b["generated_tokens"] / b["wall_s"]) / (a["generated_tokens"] / a["wall_s"])
-                        for a, b in zip(runs["native-float32"], runs[side])]
-                ratio |= {"over_native_float32": median(vs32), "over_native_float32_per_rep": vs32}
+        for side, (d, m, engine) in natives.items():
+            row = _summarise(side, w, runs[side], params_count, peaks[d]) | {
+                "dtype": d, "step_mode": engine.decode_step.mode}
+            if w == "fixed":
+                row["dispatches_per_step"], row["dispatches"] = _decode_dispatches(
+                    engine, *specs["fixed"])
+            rows.append(row)
+            ratio = {"workload": w, "engine": side, "dtype": d, "step_mode": m}
+            ratio |= _ratio(runs["hf"], runs[side], "native_over_hf_tokens_per_s", "per_rep")
+            base32 = next((s for s, (d2, m2, _) in natives.items()
+                           if d2 == "float32" and m2 == m), None)
+            if base32 and d != "float32":
+                ratio |= _ratio(runs[base32], runs[side], "over_native_float32",
+                                "over_native_float32_per_rep")
+            first = next(s for s, (d2, _, _) in natives.items() if d2 == d)
+            if first != side:
+                ratio |= _ratio(runs[first], runs[side], f"over_{natives[first][1]}_mode",
+                                f"over_{natives[first][1]}_mode_per_rep")
             ratios.append(ratio)
+    by_dtype = {d: e for _, (d, _, e) in reversed(natives.items())}  # first mode of each
     return {"benchmark": "rollout", "model": model, "dtypes": list(dtypes), "device": device,
-            "auto_dtype": auto,
+            "auto_dtype": auto, "step_modes": list(step_modes),
             "threads": torch.get_num_threads(), "parameters": params_count, "reps": reps,
             "matmul_peak_gflops": peaks, "results": rows, "ratios": ratios,
-            "publish_seconds": {d: e.decoder.refresh() for d, e in natives.items()},
-            "checks": _checks(policy, natives, hf, ids[:8])}
+            "publish_seconds": {d: e.decoder.refresh() for d, e in by_dtype.items()},
+            "checks": _checks(policy, by_dtype, hf, ids[:8])}
+
+
+def _ratio(base: list[dict], side: list[dict], name: str, per_rep_name: str) -> dict:
+    """Median over repetitions of side tokens/s over base tokens/s (same repetition)."""
+    per_rep = [(b["generated_tokens"] / b["wall_s"]) / (a["generated_tokens"] / a["wall_s"])
+               for a, b in zip(base, side)]
+    return {name: median(per_rep), per_rep_name: per_rep}

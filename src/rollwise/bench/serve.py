@@ -64,11 +64,11 @@ def _server_side(url: str, name: str, prompts: list[list[int]], clients: int, ma
 
 def run(model: str, *, prompts: int = 32, clients: tuple[int, ...] = (8, 32),
         max_tokens: int = 64, reps: int = 3, ignore_eos: bool = True, seed: int = 0,
-        progress: Callable[[str], None] = lambda s: None) -> dict:
+        device: str = "cpu", progress: Callable[[str], None] = lambda s: None) -> dict:
     from rollwise.engine import NativeEngine, SamplingParams
     from rollwise.serve import RolloutServer
 
-    policy, ids = load_workload(model, prompts, seed=seed)
+    policy, ids = load_workload(model, prompts, seed=seed, device=device)
     batch = max(max(clients), prompts)
     engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids, max_num_seqs=batch)
     reference = NativeEngine(policy.model, eos_token_ids=policy.stop_ids, max_num_seqs=batch,
@@ -112,7 +112,8 @@ def run(model: str, *, prompts: int = 32, clients: tuple[int, ...] = (8, 32),
                        | {"errors": sum(len(r["errors"]) for r in mine)})
     ratios = [{"clients": c, "server_over_engine_tokens_per_s": median(v), "per_rep": v}
               for c, v in per_rep.items()]
-    return {"model": model, "threads": torch.get_num_threads(), "prompts": prompts,
+    return {"model": model, "threads": torch.get_num_threads(), "device": device,
+            "prompts": prompts,
             "max_tokens": max_tokens, "ignore_eos": ignore_eos, "reps": reps,
             "results": summary, "ratios": ratios, "per_rep": rows}
 

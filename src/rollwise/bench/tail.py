@@ -124,14 +124,15 @@ def _hist(lengths: list[int], max_tokens: int, bins: int = 8) -> list[int]:
 def run(model: str = "tiny", *, groups: int = 32, n: int = 8, steps: int = 3, slots: int = 64,
         max_tokens: int | None = None, chunk_tokens: int = 16, reps: int = 1, seed: int = 0,
         strategies: tuple[str, ...] = STRATEGIES, lenience: float = 1.0,
-        shift_steps: int = SHIFT_STEPS, progress=None) -> dict[str, Any]:
+        shift_steps: int = SHIFT_STEPS, device: str = "cpu", progress=None) -> dict[str, Any]:
     tiny = model == "tiny"
     want = groups * steps * 3
     if tiny:
-        policy, prompts = load_workload("tiny", want, seed, task="arith_chain", split="pairs",
+        policy, prompts = load_workload("tiny", want, seed, device, task="arith_chain",
+                                        split="pairs",
                                         p=0.12, max_terms=48)
     else:
-        policy, prompts = load_workload(model, want, seed, split="pairs")
+        policy, prompts = load_workload(model, want, seed, device, split="pairs")
     max_tokens = max_tokens or (192 if tiny else 256)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens)
     names = list(strategies) + (["continuous-epoch2"] if any(
@@ -165,7 +166,7 @@ def run(model: str = "tiny", *, groups: int = 32, n: int = 8, steps: int = 3, sl
             "steps": steps, "slots": slots, "max_tokens": max_tokens,
             "chunk_tokens": chunk_tokens, "reps": reps,
             "epoch2_policy_shift": f"{shift_steps} Adam steps of SFT at lr {SHIFT_LR}",
-            "lenience": lenience, "threads": torch.get_num_threads(),
+            "lenience": lenience, "threads": torch.get_num_threads(), "device": device,
             "strategies": rows}
 
 

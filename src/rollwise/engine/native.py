@@ -277,6 +277,7 @@ class NativeEngine:
         for r in reqs:
             r.cached += 1
         self.stats.forward_passes += 1
+        self.stats.decode_passes += 1
         self.stats.decode_tokens += len(reqs)
         self.stats.row_forwards += len(reqs)
         logits = self.decoder.logits(hidden)
@@ -291,6 +292,7 @@ class NativeEngine:
         for r in reqs:
             r.cached += 1
         self.stats.forward_passes += 1
+        self.stats.decode_passes += 1
         self.stats.decode_tokens += len(reqs)
         self.stats.row_forwards += len(reqs)
         if drawn is not None:  # [2, B]: ids and log-probs, one copy from the device

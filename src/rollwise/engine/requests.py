@@ -21,6 +21,7 @@ class EngineStats:
     generated_tokens: int = 0  # tokens emitted
     decode_tokens: int = 0  # row-tokens run through single-token decode forwards
     row_forwards: int = 0  # rows taking part in forwards (one per row per pass)
+    decode_passes: int = 0  # single-token decode forwards (every row one token)
     steps: int = 0
     preemptions: int = 0
     parks: int = 0  # divided rollout: requests set aside with their cache after a chunk

@@ -96,7 +96,9 @@ class DecodeStep:
             raise ValueError("decode step mode 'graph' needs a CUDA device "
                              f"(the engine is on {decoder.device})")
         self.decoder, self.cache, self.mode = decoder, cache, mode
-        self.bucketed = mode in ("padded", "graph", "compile")
+        self.bucketed = mode in ("padded", "graph")
+        # compiled with symbolic sizes: none may be 1, or torch.compile specialises on it
+        self.floor = 2 if mode == "compile" else 1
         self._graphs: dict[StepShape, tuple] = {}
         self._epoch = -1  # the cache allocation the graphs were captured on
         self._pool = None
@@ -116,8 +118,8 @@ class DecodeStep:
             j = seen.get(r.group.slot, 0)
             seen[r.group.slot] = j + 1
             place.append(j)
-        nmax = max(seen.values())
-        groups = max(seen) + 1
+        nmax = max(max(seen.values()), self.floor)
+        groups = max(max(seen) + 1, self.floor)
         if self.bucketed:  # the cache's slot capacity, nmax to a power of two
             nmax, groups = 1 << (nmax - 1).bit_length(), self.cache.pk[0].shape[0]
         spare = groups * nmax  # where padded rows scatter (never read)
@@ -132,8 +134,8 @@ class DecodeStep:
         temps = torch.tensor([float(r.params.temperature) for r in reqs], dtype=torch.float64)
         floats = torch.ones(2, rows, dtype=torch.float64)
         floats[0, :n], floats[1, :n] = u, temps
-        shape = StepShape(rows, groups, nmax, max(plen[:n]), max(own[:n]) + 1,
-                          all(r.params.top_k == 0 and r.params.top_p >= 1.0 for r in reqs))
+        shape = StepShape(rows, groups, nmax, max(max(plen[:n]), self.floor),
+                          max(max(own[:n]) + 1, self.floor), all(r.params.top_k == 0 and r.params.top_p >= 1.0 for r in reqs))
         return ints, floats, shape
 
     def __call__(self, reqs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -142,9 +144,9 @@ class DecodeStep:
         logits) when some row asks for top-k/top-p truncation."""
         n = len(reqs)
         self.calls += 1
-        rows = row_bucket(n) if self.bucketed else n
+        rows = row_bucket(n) if self.bucketed else max(n, self.floor)
         cache = self.cache
-        cache.ensure_rows(rows, max(r.cached for r in reqs) + 1)
+        cache.ensure_rows(rows, max(max(r.cached for r in reqs) + 1, self.floor))
         ints, floats, shape = self.inputs(reqs, rows)
         if self.bucketed:
             shape = StepShape(rows, shape.groups, shape.per_group, cache.pk[0].shape[2],
@@ -152,9 +154,13 @@ class DecodeStep:
         if self.mode == "graph" and shape.sample:
             out = self._replay(shape, ints, floats)
         else:
-            fn = self._compile() if self.mode == "compile" else self.run
             dev = self.decoder.device
-            out = fn(ints.to(dev, non_blocking=True), floats.to(dev, non_blocking=True), shape)
+            ints, floats = ints.to(dev, non_blocking=True), floats.to(dev, non_blocking=True)
+            if self.mode == "compile":
+                out = self._compile()(ints, floats, shape.rows, shape.groups, shape.per_group,
+                                      shape.prefix, shape.own, shape.sample)
+            else:
+                out = self.run(ints, floats, shape)
         if shape.sample:
             return out[:, :n].cpu(), None
         return None, out[:n]
@@ -236,16 +242,20 @@ class DecodeStep:
         return graph, s_ints, s_floats, out
 
     def _compile(self):
-        self._fresh()
+        """`run` compiled once with symbolic sizes (B, G, nmax, P, S vary without a
+        recompilation): the cache tensors and weights are read as inputs."""
         if self._compiled is None:
-            self._compiled = torch.compile(self.run, dynamic=False)
+            def flat(ints, floats, b, g, nmax, p, s, sample):
+                return self.run(ints, floats, StepShape(b, g, nmax, p, s, sample))
+
+            self._compiled = torch.compile(flat, dynamic=True)
         return self._compiled
 
 
 def _to_groups(t: torch.Tensor, put: torch.Tensor, groups: int, nmax: int) -> torch.Tensor:
     """[B, kvh, rep, X] rows -> [G, kvh, nmax*rep, X] group layout (absent rows are zero);
     `put` [B] is each row's index in the [G * nmax] layout (G * nmax: padding, dropped)."""
-    b, h, rep, x = t.shape
+    _, h, rep, x = t.shape
     buf = t.new_zeros(groups * nmax + 1, h, rep, x)
     buf[put] = t
     return buf[:-1].view(groups, nmax, h, rep, x).transpose(1, 2).reshape(

@@ -10,12 +10,13 @@ from rollwise.serve.records import as_trajectory
 
 def make_server(model: str, *, step: int | None = None, dtype: str = "float32",
                 api_key: str | None = None, limits: Limits | None = None,
-                max_num_seqs: int = 64, kv_budget_tokens: int = 65536) -> RolloutServer:
-    """Load `model` (a name, a Hugging Face folder or a run directory) and put a native
-    engine and the HTTP app over it."""
+                max_num_seqs: int = 64, kv_budget_tokens: int = 65536,
+                device: str = "cpu") -> RolloutServer:
+    """Load `model` (a name, a Hugging Face folder or a run directory) on `device` and put
+    a native engine and the HTTP app over it."""
     from rollwise.engine import NativeEngine
 
-    served = load_served(model, step=step)
+    served = load_served(model, step=step, device=device)
     policy = served.policy
     engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids, max_num_seqs=max_num_seqs,
                           kv_budget_tokens=kv_budget_tokens, dtype=dtype, version=served.version)

@@ -17,9 +17,17 @@ class Served:
     source: str  # where the weights came from, for /v1/models and the log
 
 
-def load_served(model: str, *, step: int | None = None, dtype: str = "float32") -> Served:
+def load_served(model: str, *, step: int | None = None, dtype: str = "float32",
+                device: str = "cpu") -> Served:
     """`model`: 'tiny', 'smollm2-135m', a Hugging Face folder, or a run directory (a folder
-    with config.toml and checkpoints/; `step` picks a checkpoint, default the latest)."""
+    with config.toml and checkpoints/; `step` picks a checkpoint, default the latest),
+    loaded on `device` (a checkpoint saved on any device loads on any other)."""
+    served = _load(model, step, dtype)
+    served.policy.model.to(device)
+    return served
+
+
+def _load(model: str, step: int | None, dtype: str) -> Served:
     from rollwise.models import load_policy
 
     path = Path(model)
