@@ -163,6 +163,11 @@ def readable_by_others(path: str) -> bool:
     return True
 
 
+@lru_cache(maxsize=1)
+def _interpreter_readable_by_others() -> bool:
+    return all(readable_by_others(p) for p in interpreter_paths())
+
+
 LANDLOCK_READ = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime",
                  "/dev/urandom", "/dev/random", "/dev/zero")
 
@@ -413,7 +418,7 @@ def run_tests(code: str, tests: str, entry_point: str, limits: SandboxLimits | N
             # nobody cannot pass the directories above the interpreter and no mount namespace
             # re-mounts it: the code's process imports through descriptors opened before
             "imports_via_fds": bool(use["drop_uid"]) and level in ("landlock", "rlimits")
-            and not all(readable_by_others(p) for p in interpreter_paths()),
+            and not _interpreter_readable_by_others(),
             # the runner stops the code a little before this process kills everything
             "deadline": time.monotonic() + limits.wall_s - min(0.2, limits.wall_s / 4),
             "landlock": {"read": [*interpreter_paths(), *LANDLOCK_READ],
