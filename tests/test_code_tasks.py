@@ -50,3 +50,18 @@ def test_humaneval_canonical_solutions_pass(count) -> None:
         text = body if i % 2 == 0 else f"```python\n{s.reference}\n```"
         score = task.verifier(text, s)
         assert score == 1.0, (s.id, score.note)
+
+
+def test_sandbox_require_isolated_refuses_limits_only() -> None:
+    """`sandbox_require = "isolated"` builds the task only where a boundary holds the code."""
+    from rollwise.rewards.sandbox import SECURITY_BOUNDARY, detect_isolation
+
+    small = {"seed": 0, "num_train": 2, "num_eval": 1, "chat": True}
+    with pytest.raises(RuntimeError, match='sandbox_require = "isolated" but the sandbox'):
+        make_task("pycode", **small, isolation="rlimits", sandbox_require="isolated")
+    with pytest.raises(ValueError, match="sandbox_require='anything'"):
+        make_task("pycode", **small, sandbox_require="anything")
+    if detect_isolation() in SECURITY_BOUNDARY:
+        task = make_task("pycode", **small, sandbox_require="isolated")
+        assert task.info["sandbox"]["security_boundary"] is True
+        assert "verdict outside the code's process" in task.info["sandbox"]["layers"]

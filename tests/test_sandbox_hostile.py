@@ -20,31 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from rollwise.rewards import sandbox as sb
-from rollwise.rewards.sandbox import SandboxLimits, run_tests
+from rollwise.rewards.sandbox import run_tests
+from test_sandbox import LEVELS, LIMITS, ROOT, TESTS, _sandbox_processes
 
-LIMITS = SandboxLimits(cpu_s=1, wall_s=3.0, memory_mb=512, output_kb=64, processes=8)
-TESTS = "def check(candidate):\n" + "".join(
-    f"    assert candidate({i}) == {i + 1}\n" for i in range(4))
-ROOT = os.geteuid() == 0
 SECRET = "rollwise-hostile-secret-5c2e"
 
 
-def _levels() -> list:
-    works = []
-    for level in sb.ISOLATION_LEVELS:
-        try:
-            sb.detect_isolation(level)
-            works.append(pytest.param(level, id=level))
-        except RuntimeError:
-            continue
-    return works
-
-
-LEVELS = _levels()
 
 # ---------------------------------------------------------------------------------------------
 # Forgeries: wrong answers that try to be scored anyway
@@ -254,17 +238,6 @@ ESCAPES = ("shared_temp_write", "sibling_deletion", "network", "lingering_setsid
            "fd_inheritance", "parent_proc", "secret_env")
 
 
-def _sandbox_processes() -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if "rollwise-sbx-" in proc.environ().get("HOME", ""):
-                found.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("case", ESCAPES)
 def test_escape_is_contained(case, level, monkeypatch) -> None:
@@ -278,37 +251,32 @@ def test_escape_is_contained(case, level, monkeypatch) -> None:
     if ROOT:  # a concurrent execution's directory: owned by the same user as the code
         for path in (victim, f"{victim}/keep.txt"):
             os.chown(path, sb.NOBODY, sb.NOBODY)
-    tcp = socket.socket()
-    tcp.bind(("127.0.0.1", 0))
-    tcp.listen(1)
-    tcp.settimeout(0.2)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("127.0.0.1", 0))
-    udp.settimeout(0.2)
-    secret_file = tempfile.TemporaryFile()
-    secret_file.write(SECRET.encode())
-    secret_file.flush()
-    os.set_inheritable(secret_file.fileno(), True)
-    ctx = {"marker": marker, "victim": victim, "tcp": tcp.getsockname()[1],
-           "udp": udp.getsockname()[1], "me": os.getpid()}
-    try:
-        result = run_tests(_escape_code(case, ctx), TESTS, "f", LIMITS, isolation=level)
-        time.sleep(0.2)
-        assert _sandbox_processes() == []  # nothing left running
-        for d in ("/tmp", "/var/tmp", "/dev/shm"):
-            assert not Path(d, marker).exists(), d
-        assert Path(victim, "keep.txt").read_text() == "precious"
-        with pytest.raises(TimeoutError):
-            tcp.accept()
-        with pytest.raises(TimeoutError):
-            udp.recvfrom(16)
-        assert SECRET not in result.output
-        assert result.score == 1.0 and result.status == "ok", result
-    finally:
-        tcp.close()
-        udp.close()
-        secret_file.close()
-        shutil.rmtree(victim, ignore_errors=True)
+    with tempfile.TemporaryFile() as secret_file, socket.socket() as tcp, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        secret_file.write(SECRET.encode())
+        secret_file.flush()
+        os.set_inheritable(secret_file.fileno(), True)  # the sandbox must not inherit it
+        for sock in (tcp, udp):
+            sock.bind(("127.0.0.1", 0))
+            sock.settimeout(0.02)  # anything the code sent is queued before the run ends
+        tcp.listen(1)
+        ctx = {"marker": marker, "victim": victim, "tcp": tcp.getsockname()[1],
+               "udp": udp.getsockname()[1], "me": os.getpid()}
+        try:
+            result = run_tests(_escape_code(case, ctx), TESTS, "f", LIMITS, isolation=level)
+            time.sleep(0.1)
+            assert _sandbox_processes() == []  # nothing left running
+            for d in ("/tmp", "/var/tmp", "/dev/shm"):
+                assert not Path(d, marker).exists(), d
+            assert Path(victim, "keep.txt").read_text() == "precious"
+            with pytest.raises(TimeoutError):
+                tcp.accept()
+            with pytest.raises(TimeoutError):
+                udp.recvfrom(16)
+            assert SECRET not in result.output
+            assert result.score == 1.0 and result.status == "ok", result
+        finally:
+            shutil.rmtree(victim, ignore_errors=True)
 
 
 @pytest.mark.parametrize("level", LEVELS)
