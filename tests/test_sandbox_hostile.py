@@ -5,8 +5,8 @@ Two kinds of case. **Forgeries** (printed or written result lines, rigged equali
 exit, patched builtins, runner or import system, the tests read from memory) answer wrongly
 and try to be scored anyway: they must score what their honest answers earn. **Escapes**
 (writes to shared temporary directories, deleting a sibling execution's directory, network,
-processes left behind, inherited descriptors, the parent's /proc, the environment) return
-the right answer only when the attack failed, so they score 1.0 exactly when contained, and
+a host's named unix socket, processes left behind, inherited descriptors, the parent's /proc,
+the environment) return the right answer only when the attack failed, so they score 1.0 exactly when contained, and
 the machine is checked afterwards. Network cases use loopback sockets of this test only.
 Cells docs/rewards.md lists as not stopped (limits alone) are skipped with the reason.
 """
@@ -164,7 +164,7 @@ def _not_stopped(case: str, level: str) -> str:
     """Why `case` is not stopped under `level` (docs/rewards.md's table), else ''."""
     if level != "rlimits":
         return ""
-    if case in ("shared_temp_write", "sibling_deletion", "network"):
+    if case in ("shared_temp_write", "sibling_deletion", "network", "unix_socket"):
         return "limits alone share the file system and the network (docs/rewards.md)"
     if case == "parent_proc" and not ROOT:
         return "limits alone, as the same user, can read that user's /proc (docs/rewards.md)"
@@ -200,6 +200,15 @@ def _escape_code(case: str, ctx: dict) -> str:
                 f"        s.sendto(b'leak', ('127.0.0.1', {ctx['udp']}))\n"
                 "    except OSError:\n        pass\n"
                 "    return x + 1\n")  # the datagram is judged on the receiving side
+    if case == "unix_socket":
+        return ("import socket\n"
+                "def f(x):\n"
+                "    try:\n"
+                "        s = socket.socket(socket.AF_UNIX)\n"
+                f"        s.connect({ctx['unix']!r})\n"
+                "        s.send(b'leak')\n"
+                "        return -1\n"
+                "    except OSError:\n        return x + 1\n")
     if case == "lingering_setsid":
         return ("import os, time\n"
                 "def f(x):\n"
@@ -234,7 +243,7 @@ def _escape_code(case: str, ctx: dict) -> str:
     raise KeyError(case)
 
 
-ESCAPES = ("shared_temp_write", "sibling_deletion", "network", "lingering_setsid",
+ESCAPES = ("shared_temp_write", "sibling_deletion", "network", "unix_socket", "lingering_setsid",
            "fd_inheritance", "parent_proc", "secret_env")
 
 
@@ -252,16 +261,21 @@ def test_escape_is_contained(case, level, monkeypatch) -> None:
         for path in (victim, f"{victim}/keep.txt"):
             os.chown(path, sb.NOBODY, sb.NOBODY)
     with tempfile.TemporaryFile() as secret_file, socket.socket() as tcp, \
-            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, \
+            socket.socket(socket.AF_UNIX) as unix:
         secret_file.write(SECRET.encode())
         secret_file.flush()
         os.set_inheritable(secret_file.fileno(), True)  # the sandbox must not inherit it
         for sock in (tcp, udp):
             sock.bind(("127.0.0.1", 0))
+        unix.bind(f"{victim}.sock")  # a host service on a named unix socket
+        os.chmod(f"{victim}.sock", 0o777)
+        for sock in (tcp, udp, unix):
             sock.settimeout(0.02)  # anything the code sent is queued before the run ends
         tcp.listen(1)
+        unix.listen(1)
         ctx = {"marker": marker, "victim": victim, "tcp": tcp.getsockname()[1],
-               "udp": udp.getsockname()[1], "me": os.getpid()}
+               "udp": udp.getsockname()[1], "unix": f"{victim}.sock", "me": os.getpid()}
         try:
             result = run_tests(_escape_code(case, ctx), TESTS, "f", LIMITS, isolation=level)
             time.sleep(0.1)
@@ -273,10 +287,13 @@ def test_escape_is_contained(case, level, monkeypatch) -> None:
                 tcp.accept()
             with pytest.raises(TimeoutError):
                 udp.recvfrom(16)
+            with pytest.raises(TimeoutError):
+                unix.accept()
             assert SECRET not in result.output
             assert result.score == 1.0 and result.status == "ok", result
         finally:
             shutil.rmtree(victim, ignore_errors=True)
+            Path(f"{victim}.sock").unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("level", LEVELS)

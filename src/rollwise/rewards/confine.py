@@ -58,7 +58,6 @@ _DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "se
            "io_uring_register", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount",
            "fspick", "mount_setattr")
 _CLONE_NEW_NAMESPACES = 0x7E020080  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
-_AF_UNIX = 1
 _TIOCSTI = 0x5412  # push characters into a terminal's input
 
 PR_SET_DUMPABLE, PR_SET_KEEPCAPS, PR_SET_SECCOMP = 4, 8, 22
@@ -152,9 +151,9 @@ _ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
 
 
 def seccomp_filter() -> bytes:
-    """The filter program: refuses (EPERM) the calls in `_DENIED`, sockets other than
-    AF_UNIX, clone into new namespaces, TIOCSTI and every call of a foreign ABI; clone3 says
-    ENOSYS so the C library falls back to clone, whose flags the filter can see."""
+    """The filter program: refuses (EPERM) the calls in `_DENIED`, clone into new
+    namespaces, TIOCSTI and every call of a foreign ABI, and new sockets (EACCES); clone3
+    says ENOSYS so the C library falls back to clone, whose flags the filter can see."""
     if _AUDIT_ARCH is None or not _CALLS:
         raise OSError(errno.ENOSYS, f"no seccomp call table for {_MACHINE}")
     refuse = _ERRNO | errno.EPERM
@@ -166,15 +165,14 @@ def seccomp_filter() -> bytes:
         number = _CALLS.get(name, _COMMON.get(name))
         prog += [_insn(_JEQ, number, 0, 1), _insn(_RET, refuse)]
     prog += [_insn(_JEQ, _COMMON["clone3"], 0, 1), _insn(_RET, _ERRNO | errno.ENOSYS)]
-    # (call, offset of the argument's low 32 bits, test): the next 4 instructions
-    for name, offset, test in (("socket", 16, _insn(_JEQ, _AF_UNIX, 1, 0)),
-                               ("ioctl", 24, _insn(_JEQ, _TIOCSTI, 0, 1)),
+    # every new socket (socketpair, which asyncio's self-pipe uses, stays): no network, and
+    # no named unix socket of the host (which Landlock does not cover) either
+    prog += [_insn(_JEQ, _CALLS["socket"], 0, 1), _insn(_RET, _ERRNO | errno.EACCES)]
+    # (call, offset of the argument's low 32 bits, test): refuse when the test holds
+    for name, offset, test in (("ioctl", 24, _insn(_JEQ, _TIOCSTI, 0, 1)),
                                ("clone", 16, _insn(_JSET, _CLONE_NEW_NAMESPACES, 0, 1))):
-        prog += [_insn(_JEQ, _CALLS[name], 0, 4), _insn(_LD, offset), test]
-        if name == "socket":  # AF_UNIX jumps over the refusal
-            prog += [_insn(_RET, _ERRNO | errno.EACCES), _insn(_RET, _ALLOW)]
-        else:
-            prog += [_insn(_RET, refuse), _insn(_RET, _ALLOW)]
+        prog += [_insn(_JEQ, _CALLS[name], 0, 4), _insn(_LD, offset), test,
+                 _insn(_RET, refuse), _insn(_RET, _ALLOW)]
     prog.append(_insn(_RET, _ALLOW))
     return b"".join(prog)
 
