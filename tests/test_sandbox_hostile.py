@@ -6,8 +6,8 @@ exit, patched builtins, runner or import system, the tests read from memory) ans
 and try to be scored anyway: they must score what their honest answers earn. **Escapes**
 (writes to shared temporary directories, deleting a sibling execution's directory, network,
 a host's named unix socket, processes left behind, inherited descriptors, the parent's /proc,
-the environment) return the right answer only when the attack failed, so they score 1.0 exactly when contained, and
-the machine is checked afterwards. Network cases use loopback sockets of this test only.
+the environment) return the right answer only when the attack failed, so they score 1.0
+exactly when contained, and the machine is checked afterwards. Network cases use loopback sockets of this test only.
 Cells docs/rewards.md lists as not stopped (limits alone) are skipped with the reason.
 """
 
