@@ -1,7 +1,10 @@
 """Kill a tiny rollwise run at many random instants and check every resumed run.
 
     python scripts/crash_harness.py --kills 300 [--seed 0] [--config configs/tiny_arith.toml]
-        [--set key=value ...] [--workdir /tmp/rollwise-crash]
+        [--set key=value ...] [--workdir /tmp/rollwise-crash] [--user-code]
+
+--user-code: the run also scores with a verifier and a group term (with an option) named
+by import path, as a user's own code is (rollwise.crashtest.USER_CODE).
 
 Exits 0 when every finished run equals the uninterrupted reference (metrics, stored
 trajectories, summary counters), 1 otherwise. See rollwise/crashtest.py for what it does.
@@ -16,7 +19,7 @@ import time
 from pathlib import Path
 
 from rollwise.config import load_config
-from rollwise.crashtest import crash_test
+from rollwise.crashtest import USER_CODE, crash_test
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["run.num_steps=6", "run.threads=1", "run.checkpoint_every=2",
@@ -31,9 +34,13 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--sigint-share", type=float, default=0.3)
+    parser.add_argument("--user-code", action="store_true",
+                        help="also score with a verifier and a group term by import path")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rollwise-crash-"))
-    cfg = load_config(args.config, [f"run.output_dir='{workdir}'", *TINY, *args.overrides])
+    user = USER_CODE if args.user_code else []
+    cfg = load_config(args.config, [f"run.output_dir='{workdir}'", *TINY, *user,
+                                    *args.overrides])
     start = time.perf_counter()
     report = crash_test(cfg, kills=args.kills, seed=args.seed, workdir=workdir,
                         sigint_share=args.sigint_share, log=print)

@@ -1,6 +1,7 @@
 """Crash safety, proven: a tiny run killed (SIGKILL / SIGINT) at random instants and resumed
 ends exactly as an uninterrupted run (rollwise.crashtest; scripts/crash_harness.py runs
-longer)."""
+longer). The run scores with users' own code by import path too: a verifier and a group
+term with an option (crashtest.USER_CODE), whose keys config.toml must read back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollwise.config import load_config
-from rollwise.crashtest import crash_test
+from rollwise.crashtest import USER_CODE, crash_test
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 
@@ -18,7 +19,7 @@ def tiny(tmp_path: Path):
     return load_config(CONFIG, [
         f"run.output_dir='{tmp_path}'", "run.num_steps=6", "run.threads=1",
         "run.checkpoint_every=2", "rollout.prompts_per_step=2", "rollout.group_size=4",
-        "task.num_eval=8", "eval.every=3"])
+        "task.num_eval=8", "eval.every=3", *USER_CODE])
 
 
 def _check(report, kills: int) -> None:

@@ -38,23 +38,26 @@ def token_penalty(trajectories, *, limit: int, scale: float = 1.0) -> list[float
     return [-scale * max(t.num_tokens - limit, 0) / 10 for t in trajectories]
 
 
-def centered(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: float = 1.0
-             ) -> torch.Tensor:
-    """A user's advantage estimator: the reward minus its group's mean, times `scale`."""
+def centered(rewards: torch.Tensor, group_ids: torch.Tensor, *, lengths: torch.Tensor,
+             scale: float = 1.0) -> torch.Tensor:
+    """A user's advantage estimator: the reward minus its group's mean, times `scale`, over
+    the square root of the response length (`lengths`, an input rollwise passes by name;
+    a keyword without a default, which the signature check once refused)."""
     groups = int(group_ids.max()) + 1
     sums = torch.zeros(groups).index_add_(0, group_ids, rewards)
     counts = torch.zeros(groups).index_add_(0, group_ids, torch.ones_like(rewards))
-    return scale * (rewards - (sums / counts)[group_ids])
+    return scale * (rewards - (sums / counts)[group_ids]) / lengths.clamp(min=1).sqrt()
 
 
 class HalfEveryOtherStep:
-    """A user's allocator: uniform prompts; every second step trains on half the groups.
-    Its step count is state a resumed run must restore (else the halves shift)."""
+    """A user's allocator: uniform prompts; every `max_rounds`-th step trains on half the
+    groups. Its step count is state a resumed run must restore (else the halves shift);
+    its constructor takes a control option without a default (once refused)."""
 
     name = "half_every_other_step"
 
-    def __init__(self):
-        self.steps = 0
+    def __init__(self, max_rounds: int):
+        self.steps, self.every = 0, max_rounds
 
     def plan(self, ctl):
         self.steps += 1
@@ -64,7 +67,7 @@ class HalfEveryOtherStep:
         return []
 
     def train_groups(self, ctl, groups):
-        return groups if self.steps % 2 else groups[: len(groups) // 2]
+        return groups if self.steps % self.every else groups[: len(groups) // 2]
 
     def max_rollouts(self, ctl):
         return ctl.budget
@@ -116,7 +119,7 @@ PLUGINS = {  # one way of plugging in code each, all by import path in the confi
                    f"task.reward_options={{'{HERE}:token_penalty' = {{ limit = 6 }} }}"],
     "estimator": [f"algorithm.advantage='{HERE}:centered'",
                   "algorithm.advantage_options={ scale = 2.0 }"],
-    "allocator": [f"control.allocator='{HERE}:HalfEveryOtherStep'"],
+    "allocator": [f"control.allocator='{HERE}:HalfEveryOtherStep'", "control.max_rounds=2"],
     "engine": [f"rollout.engine='{HERE}:hf_engine_factory'"],
 }
 
@@ -164,7 +167,8 @@ def test_per_term_metrics_and_stored_advantages(tmp_path):
         for g in store.load_groups(r["step"]):
             mean = sum(t.reward for t in g.trajectories) / len(g.trajectories)
             for t in g.trajectories:
-                assert t.advantage == pytest.approx(3.0 * (t.reward - mean))
+                assert t.advantage == pytest.approx(
+                    3.0 * (t.reward - mean) / max(t.num_tokens, 1) ** 0.5, rel=1e-5)
     report = (root / "report.html").read_text()
     assert "Reward terms" in report and "the one the update used" in report
 

@@ -12,7 +12,13 @@ child resumes it; a round ends when a child finishes. Each finished round must h
 
 - every step's metrics equal to the reference's (timings aside),
 - every completed trajectory stored exactly once, equal to the reference's,
-- `summary.json` counters that add up to the per-step records.
+- `summary.json` counters that add up to the per-step records,
+- a `config.toml` that reads back as the run's config (each resumed child checks it, as
+  `--resume` reads it: import-path keys included).
+
+With `USER_CODE` in its overrides the run plugs in users' own code by import path: a
+verifier and a group term with an option, both below (tests/test_crash.py does;
+`scripts/crash_harness.py --user-code`).
 
 `scripts/crash_harness.py` runs it from the command line for longer.
 """
@@ -28,9 +34,30 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollwise.config import Config
+from rollwise.config import Config, load_config, to_toml
+from rollwise.rewards.group import group_reward
+from rollwise.types import Sample, Trajectory
 
 VOLATILE = ("time", "seconds", "per_s")  # metric names holding wall-clock figures
+
+
+def short_answer(completion: str, sample: Sample) -> float:
+    """A user's verifier, named by import path: 1 for a response of at most 8 characters."""
+    return float(len(completion) <= 8)
+
+
+@group_reward
+def shorter_than_siblings(trajectories: list[Trajectory], *, margin: int = 0) -> list[float]:
+    """A user's group term, named by import path: 1 for a response at least `margin`
+    tokens shorter than its group's longest."""
+    longest = max(t.num_tokens for t in trajectories)
+    return [float(t.num_tokens + margin <= longest) for t in trajectories]
+
+
+USER_CODE = [  # overrides plugging both in, the group term with an option
+    (f"task.rewards={{correct = 1.0, '{__name__}:short_answer' = 0.2, "
+     f"'{__name__}:shorter_than_siblings' = 0.1}}"),
+    f"task.reward_options={{'{__name__}:shorter_than_siblings' = {{ margin = 1 }} }}"]
 
 
 @dataclass
@@ -57,7 +84,10 @@ def _child(stages, root: Path, cfg: Config, resume: bool) -> None:
             from rollwise.loop import train
             from rollwise.rundir import Run
 
-            run = Run(root, resume=resume, echo=lambda s: None,
+            stored = root / "config.toml"  # absent when the first child died before it
+            if resume and stored.is_file() and load_config(stored) != cfg:
+                raise ValueError("config.toml does not read back as the run's config")
+            run = Run(root, resume=resume, echo=lambda s: None, config_toml=to_toml(cfg),
                       keep_checkpoints=cfg.run.keep_checkpoints)
             train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
                   eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every)
