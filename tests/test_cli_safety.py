@@ -135,3 +135,14 @@ def test_os_error_messages_say_what_to_do():
     assert full == ("disk full (/r/f): the last complete checkpoint is kept; free some "
                     "space; then continue with --resume /r")
     assert "choose a run.output_dir" in os_error_message(OSError(errno.EACCES, "x", "/o"))
+
+
+def test_help_tables_show_no_bool_value_and_whole_first_paragraphs():
+    """Regression: `--help <bool>` and `--allow-changes <bool>` read as taking a value; a
+    command's summary broke at its docstring's line break, mid-sentence."""
+    wide = {"COLUMNS": "200"}
+    for args in (["--help"], ["train", "--help"], ["bench", "--help"]):
+        out = CliRunner().invoke(app, args, env=wide)
+        assert out.exit_code == 0 and "<bool>" not in out.output, out.output
+    rows = CliRunner().invoke(app, ["bench", "--help"], env=wide).output
+    assert "busy fractions, staleness, held-out accuracy; the overlap" in rows

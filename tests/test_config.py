@@ -141,6 +141,10 @@ def test_free_form_tables_accept_any_keys(tmp_path: Path) -> None:
      'run.name="we\\"ird \\\\ name"', "eval.max_tokens=5", "learner.betas=[0.8, 0.95]",
      "learner.lr=1e-05", "task.rewards={correct = 1.0, format = 0.1}", "model.lora_rank=8",
      "run.output_dir=C:/runs", "algorithm.aggregation=seq-mean-token-sum-norm"],
+    # regression: import-path keys were written bare (`{ mypkg.r:f = 1.0 }`, not TOML)
+    ["task.rewards={correct = 1.0, 'mypkg.rewards:brief' = 0.5, 'a b' = 1.0}",
+     "task.reward_options={'mypkg.rewards:cap' = { 'x.y' = 1, limit = 6 }}",
+     "algorithm.advantage_options={ 'k:1' = 2 }", "judge.prompt='line 1\nline \t2 \u0001'"],
 ])
 def test_to_toml_round_trips(tmp_path: Path, overrides: list[str]) -> None:
     cfg = load_config(None, overrides)
