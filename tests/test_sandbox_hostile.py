@@ -124,7 +124,8 @@ EXIT_AFTER_TWO = "import os\ndef f(x):\n    if x >= 2:\n        os._exit(0)\n   
 def test_forgery_scores_what_its_answers_earn(case, level) -> None:
     result = run_tests(FORGERIES[case], TESTS, "f", LIMITS, isolation=level)
     assert (result.passed, result.total, result.score) == (0, 4, 0.0), result
-    assert result.status in ("failed", "crashed", "load_error"), result
+    # (a runner the code could stop, as the same user under limits alone, times out)
+    assert result.status in ("failed", "crashed", "load_error", "timeout"), result
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -227,10 +228,15 @@ def _escape_code(case: str, ctx: dict) -> str:
                 "                return -1\n"
                 "        except OSError:\n            pass\n"
                 "    return x + 1\n")
-    if case in ("parent_proc", "secret_env"):
+    if case == "secret_env":
         return ("import os\n"
                 "def f(x):\n"
-                "    found = ' '.join(os.environ.values())\n"
+                "    print(os.environ)\n"
+                f"    return -1 if {SECRET!r} in str(os.environ) else x + 1\n")
+    if case == "parent_proc":
+        return ("import os\n"
+                "def f(x):\n"
+                "    found = ''\n"
                 f"    for pid in ({ctx['me']}, os.getppid(), 1, 'self'):\n"
                 "        for name in ('environ', 'cmdline'):\n"
                 "            try:\n"

@@ -292,20 +292,20 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def kill_descendants(pid: int, rounds: int = 20) -> None:
-    """SIGKILL every descendant of `pid` until none is left (with `pid` a child subreaper,
-    the orphans of a double fork are still its descendants)."""
-    for _ in range(rounds):
-        kids = descendants(pid)
-        if not kids:
-            return
-        for kid in kids:
+def kill_descendants(pid: int, seconds: float = 2.0) -> None:
+    """SIGKILL every descendant of `pid` (this process, a child subreaper: the orphans of a
+    double fork are still its descendants) and reap them all, so that no zombie is left to
+    an init that may never reap it (a container's) and count against the process limit."""
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for kid in descendants(pid):
             try:
                 os.kill(kid, 9)  # SIGKILL (the signal module costs the runner's start-up)
             except OSError:
                 pass
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
+        try:  # killed children die at once; their orphans become our children, reaped next
+            os.waitpid(-1, 0)
         except ChildProcessError:
-            pass
+            return

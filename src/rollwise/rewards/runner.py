@@ -222,6 +222,8 @@ def _confine(data: dict, confine) -> None:
         ruleset, _ = confine.landlock_ruleset(data["landlock"]["read"],
                                               data["landlock"]["write"])
     n = data["nproc"]
+    if data["nproc_counts_user"]:  # the limit counts every task of this user: add the others'
+        n += _tasks_of(os.getuid())
     try:
         resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
     except (ValueError, OSError):
@@ -240,6 +242,23 @@ def _confine(data: dict, confine) -> None:
         confine.landlock_enforce(ruleset)
     if data["seccomp"]:
         confine.seccomp_enforce(confine.seccomp_filter())
+
+
+def _tasks_of(uid: int) -> int:
+    """How many tasks (threads) the user `uid` runs now: what RLIMIT_NPROC counts."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f.read().splitlines()
+                          if line.startswith((b"Uid:", b"Threads:")))
+            if int(fields[b"Uid"].split()[0]) == uid:
+                count += int(fields[b"Threads"])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return count
 
 
 def _imports_via_fds() -> None:
@@ -373,7 +392,11 @@ class Link:
     def _check_exit(self, block: bool) -> None:
         if self.ended:
             raise self.ended
-        pid, status, usage = os.wait4(self.pid, 0 if block else os.WNOHANG)
+        try:
+            pid, status, usage = os.wait4(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # already reaped with the other descendants
+            self.ended = Ended("crashed", "the code's process ended")
+            raise self.ended from None
         if pid == 0:
             return
         cpu = usage.ru_utime + usage.ru_stime

@@ -417,6 +417,9 @@ def run_tests(code: str, tests: str, entry_point: str, limits: SandboxLimits | N
             "drop_uid": use["drop_uid"], "nproc": int(limits.processes), "cpu_s": limits.cpu_s,
             # nobody cannot pass the directories above the interpreter and no mount namespace
             # re-mounts it: the code's process imports through descriptors opened before
+            # as a user outside a user namespace the process-count limit counts all of the
+            # user's tasks (the trainer's threads too): the code gets `processes` more
+            "nproc_counts_user": os.geteuid() != 0 and level in ("landlock", "rlimits"),
             "imports_via_fds": bool(use["drop_uid"]) and level in ("landlock", "rlimits")
             and not _interpreter_readable_by_others(),
             # the runner stops the code a little before this process kills everything
@@ -494,6 +497,11 @@ def _communicate(proc: subprocess.Popen, stdin: tuple[bytes, bytes], limits: San
                 break
     finally:
         sel.close()
+        if "done" in state:  # the runner reaped everything and exits: let its wrapper reap
+            try:            # it, or a killed runner becomes a zombie of init's (a container's
+                proc.wait(timeout=1.0)  # init may never reap it)
+            except subprocess.TimeoutExpired:
+                pass
         _kill_group(proc)
     result.output = b"".join(output).decode("utf-8", "replace")[:cap]
     _verdict(result, state, killed, proc.returncode, limits)
