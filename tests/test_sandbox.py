@@ -364,3 +364,30 @@ def test_slot_folders_are_removed(tmp_path) -> None:
     slot = Path(done.stdout.strip())
     assert slot.parent.parent == tmp_path and slot.name == "slot0"
     assert not slot.parent.exists() and not stale.exists()
+
+
+def test_an_interpreter_under_tmp_works_on_every_level(tmp_path) -> None:
+    """bwrap and unshare hide /tmp: an interpreter that lives there (a virtual environment
+    under /tmp, its base under root's 0700 home here) is mounted back; detection runs the
+    real interpreter, so a level where it would not work is never chosen."""
+    import json
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    code = ("import json\n"
+            "from rollwise.rewards import sandbox as sb\n"
+            "tests = 'def check(candidate):\\n    assert candidate(1) == 2\\n'\n"
+            "out = {'detected': sb.detect_isolation()}\n"
+            "for level, works in sb.isolation_info()['available'].items():\n"
+            "    if works:\n"
+            "        r = sb.run_tests(sb.PROBE_CODE, tests, 'f', isolation=level)\n"
+            "        out[level] = r.status\n"
+            "print(json.dumps(out))\n")
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                          text=True, check=True, env={**os.environ,
+                                                      "PYTHONPATH": str(REPO / "src")})
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    levels = {k: v for k, v in out.items() if k != "detected"}
+    assert out["detected"] in levels and set(levels.values()) == {"ok"}, out
