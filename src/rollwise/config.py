@@ -132,6 +132,11 @@ class RolloutConfig(_Section):
     kv_budget_tokens: int = Field(
         65536, ge=1, description="Native engine: tokens its KV cache may hold (requests "
         "beyond it wait or are preempted and recomputed).")
+    decode_step: Literal["auto", "eager", "graph", "compile", "padded", "rows"] = Field(
+        "auto", description="Native engine: how a decode step runs (docs/gpu.md): 'auto' "
+        "(CUDA graphs on a GPU, eager on a CPU), 'eager', 'graph' (CUDA graphs per batch "
+        "bucket), 'compile' (torch.compile; minutes of compilation on a CPU), 'padded' (the "
+        "graph's shapes, eagerly), 'rows' (the general chunk pass).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per training step.")
     group_size: int = Field(8, ge=1, description="Rollouts per prompt (G).")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")

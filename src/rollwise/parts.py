@@ -90,7 +90,8 @@ def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
     environment rolls out multi-turn episodes, scored by the environment."""
     r = cfg.rollout
     engine = build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
-                           precision.rollout, spec_tokens=r.spec_tokens)
+                           precision.rollout, spec_tokens=r.spec_tokens,
+                           decode_step=r.decode_step)
     sampling = build_sampling(cfg)
     if task is not None and task.env is not None:
         return RolloutStage(engine, sampling, policy.decode, keep_env_rewards,
@@ -261,10 +262,11 @@ def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, 
 
 def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int,
                   dtype: str = "float32", weights_from: Engine | None = None,
-                  spec_tokens: int = 4) -> Engine:
+                  spec_tokens: int = 4, decode_step: str = "auto") -> Engine:
     """`dtype`: the native engine's precision; `weights_from`: a native engine whose
     converted weights this one shares (the evaluator reads the rollout engine's copy);
-    `spec_tokens`: draft tokens one verification pass takes."""
+    `spec_tokens`: draft tokens one verification pass takes; `decode_step`: how its
+    decode step runs (engine/step.py)."""
     from rollwise.config import ConfigError
     from rollwise.engine import NativeEngine, make_engine
 
@@ -273,7 +275,7 @@ def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: i
                           "'native'); the HF engine samples from the float32 model")
     options = {"kv_budget_tokens": kv_budget_tokens} if name == "native" else {}
     if name == "native":
-        options |= {"dtype": dtype, "spec_tokens": spec_tokens}
+        options |= {"dtype": dtype, "spec_tokens": spec_tokens, "step_mode": decode_step}
         if isinstance(weights_from, NativeEngine):
             options["weights_from"] = weights_from
     return make_engine(name, policy.model, eos_token_ids=policy.stop_ids,

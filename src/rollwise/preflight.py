@@ -30,6 +30,10 @@ def check_config(cfg: Config, functions: Mapping[str, Callable] | None = None) -
     _check_task_and_model(cfg)
     _check_combinations(cfg)
     check_device(cfg.run.device)
+    if cfg.rollout.decode_step == "graph" and not cfg.run.device.startswith("cuda"):
+        raise ConfigError(f"rollout.decode_step = 'graph' captures CUDA graphs: it needs "
+                          f"run.device = 'cuda' (here {cfg.run.device!r}); 'auto' picks "
+                          "graphs on a GPU and the eager step elsewhere")
 
 
 def _known(key: str, name: str, registry, kind: str = "") -> None:

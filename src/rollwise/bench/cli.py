@@ -39,6 +39,9 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
                 help="Decode step: auto (CUDA graphs on a GPU, eager on a CPU), eager, "
                 "padded, graph, compile (torch.compile), rows (the general chunk pass); "
                 "repeatable: one side each; default auto.")] = None,
+            baseline: Annotated[bool, typer.Option(
+                help="Time Hugging Face generate too (--no-baseline: native sides only).")
+                ] = True,
             threads: ThreadsOpt = 0):
     """B1: native engine vs Hugging Face generate, tokens/s and roofline fraction."""
     from rollwise.bench import rollout as b1
@@ -49,7 +52,7 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
     configure(threads)
     data = b1.run(model, prompts=prompts, n=n, max_tokens=max_tokens, fixed_batch=fixed_batch,
                   fixed_tokens=fixed_tokens, reps=reps, dtypes=tuple(dtype or ("float32",)),
-                  device=device, step_modes=tuple(step_mode or ("auto",)),
+                  device=device, step_modes=tuple(step_mode or ("auto",)), baseline=baseline,
                   workloads=tuple(workload or ("natural", "fixed")), progress=_say)
     print_table(f"B1 rollout throughput: {model}, {data['threads']} threads", data["results"],
                 ["workload", "engine", "tokens_per_s", "wall_s", "generated_tokens",
@@ -59,15 +62,19 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
         typer.echo(f"auto = {data['auto_dtype']} on this machine")
     for r in data["results"]:
         if r.get("dispatches"):
+            busy = (f"; GPU busy {r['device_busy_frac']:.0%}" if "device_busy_frac" in r
+                    else "")
             typer.echo(f"{r['engine']}: {r['dispatches_per_step']:.0f} {r['dispatches']} per "
-                       f"decode step at batch {fixed_batch}; {r['decode_step_ms']:.2f} ms a step")
+                       f"decode step at batch {fixed_batch}; {r['decode_step_ms']:.2f} ms a "
+                       f"step{busy}")
     for r in data["ratios"]:
         vs32 = (f"; / native float32 = {r['over_native_float32']:.2f}x"
                 if "over_native_float32" in r else "")
         vs32 += "".join(f"; / {k[5:-5]} mode = {v:.2f}x" for k, v in r.items()
                         if k.startswith("over_") and k.endswith("_mode"))
-        typer.echo(f"{r['workload']}: {r['engine']} / hf tokens/s = "
-                   f"{r['native_over_hf_tokens_per_s']:.2f}x{vs32} (median of {len(r['per_rep'])})")
+        vs_hf = (f" / hf tokens/s = {r['native_over_hf_tokens_per_s']:.2f}x"
+                 if "native_over_hf_tokens_per_s" in r else "")
+        typer.echo(f"{r['workload']}: {r['engine']}{vs_hf}{vs32} (median of {reps})")
     c = data["checks"]
     for d in data["dtypes"]:
         typer.echo(f"checks {d}: greedy identical to float32 generate on "

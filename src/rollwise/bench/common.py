@@ -72,25 +72,30 @@ _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLau
              "cudaGraphLaunch", "cuGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
-def dispatches_per_call(fn, calls: int, device: torch.device | str) -> tuple[float, str]:
-    """(count per call, what was counted) of `fn` run `calls` times under the torch
-    profiler: on a GPU the kernel launches, graph replays and copies the host queued; on a
-    CPU the aten operators dispatched (nested ones included). Deterministic for a given
-    code path, unlike wall time."""
+def dispatches_per_call(fn, calls: int, device: torch.device | str) -> tuple[float, str, float]:
+    """(count per call, what was counted, device busy fraction) of `fn` run `calls` times
+    under the torch profiler: on a GPU the kernel launches, graph replays and copies the
+    host queued, and the share of the wall time the GPU spent in kernels; on a CPU the aten
+    operators dispatched (nested ones included) and NaN. Counts are deterministic for a
+    given code path, unlike wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     synchronize(device)
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         for _ in range(calls):
             fn()
         synchronize(device)
+        wall = time.perf_counter() - start
     events = prof.events()
     if cuda:
         n = sum(1 for e in events if e.name in _LAUNCHES)
-        return n / calls, "GPU launches (kernels, graph replays, copies)"
-    return sum(1 for e in events if e.name.startswith("aten::")) / calls, "aten ops"
+        busy = sum(e.device_time for e in events if e.device_type.name == "CUDA") / 1e6 / wall
+        return n / calls, "GPU launches (kernels, graph replays, copies)", min(busy, 1.0)
+    n = sum(1 for e in events if e.name.startswith("aten::"))
+    return n / calls, "aten ops", float("nan")
 
 
 def median(values: list[float]) -> float:
@@ -113,7 +118,10 @@ def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> N
         table.add_column(c, justify="left" if c in ("engine", "workload", "strategy") else "right")
     for r in rows:
         table.add_row(*[_fmt(r.get(c)) for c in columns])
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: never squeeze figures into 80 columns
+        console = Console(width=200)
+    console.print(table)
 
 
 def _fmt(v: Any) -> str:

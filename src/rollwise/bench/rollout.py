@@ -99,9 +99,10 @@ def _summarise(name: str, workload: str, runs: list[dict], params_count: int,
 
 
 def _decode_dispatches(engine: NativeEngine, prompts: list[list[int]],
-                       params: SamplingParams, steps: int = 4) -> tuple[float, str]:
+                       params: SamplingParams, steps: int = 4) -> tuple[float, str, float]:
     """Kernels (GPU) or aten ops (CPU) dispatched per decode step, from the profiler, with
-    every row decoding (after two warm-up steps: admission, prefill, graph capture)."""
+    every row decoding (after two warm-up steps: admission, prefill, graph capture), and
+    the GPU's busy fraction over those steps (NaN on a CPU)."""
     ids = [engine.submit(p, replace(params, n=1, max_tokens=steps + 4), seed=i, tag=i)
            for i, p in enumerate(prompts) for _ in range(params.n)]
     engine.step()
@@ -152,12 +153,14 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
         fixed_batch: int = 64, fixed_tokens: int = 64, reps: int = 3,
         dtypes: tuple[str, ...] = ("float32",), hf_batch: int = 64, device: str = "cpu",
         seed: int = 0, workloads: tuple[str, ...] = ("natural", "fixed"),
-        step_modes: tuple[str, ...] = ("auto",), progress=None) -> dict[str, Any]:
+        step_modes: tuple[str, ...] = ("auto",), baseline: bool = True,
+        progress=None) -> dict[str, Any]:
     """Each native engine dtype (the precision axis) and decode step mode (engine/step.py)
     against float32 `generate`; sides alternate within a repetition (the first rotates);
     every roofline is against the matrix-multiply peak of its own dtype, measured in this
     run. Beside tokens/s: the decode step's time and its kernels (GPU) or aten ops (CPU)
-    per step, counted by the profiler on the fixed workload's batch."""
+    per step, counted by the profiler on the fixed workload's batch. `baseline` False
+    leaves `generate` out of the timed sides (it is still the greedy reference)."""
     policy, ids = load_workload(model, max(prompts, fixed_batch), seed, device)
     auto = None
     if "auto" in dtypes:  # what training would pick here (rollwise.precision)
@@ -185,7 +188,7 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
     }
     peaks = {d: matmul_peak_gflops(getattr(torch, d), device=device)
              for d in dict.fromkeys(("float32", *dtypes))}
-    sides = ["hf", *natives]
+    sides = ["hf", *natives] if baseline else list(natives)
     rows, ratios = [], []
     for w in workloads:
         prompt_ids, params = specs[w]
@@ -201,16 +204,20 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
                 if progress:
                     progress(f"{w} rep {rep + 1}/{reps} {side}: "
                              f"{result['generated_tokens'] / result['wall_s']:.0f} tok/s")
-        rows.append(_summarise("hf", w, runs["hf"], params_count, peaks["float32"]))
+        if baseline:
+            rows.append(_summarise("hf", w, runs["hf"], params_count, peaks["float32"]))
         for side, (d, m, engine) in natives.items():
             row = _summarise(side, w, runs[side], params_count, peaks[d]) | {
                 "dtype": d, "step_mode": engine.decode_step.mode}
             if w == "fixed":
-                row["dispatches_per_step"], row["dispatches"] = _decode_dispatches(
-                    engine, *specs["fixed"])
+                count, what, busy = _decode_dispatches(engine, *specs["fixed"])
+                row |= {"dispatches_per_step": count, "dispatches": what}
+                if busy == busy:  # measured (GPU)
+                    row["device_busy_frac"] = busy
             rows.append(row)
             ratio = {"workload": w, "engine": side, "dtype": d, "step_mode": m}
-            ratio |= _ratio(runs["hf"], runs[side], "native_over_hf_tokens_per_s", "per_rep")
+            if baseline:
+                ratio |= _ratio(runs["hf"], runs[side], "native_over_hf_tokens_per_s", "per_rep")
             base32 = next((s for s, (d2, m2, _) in natives.items()
                            if d2 == "float32" and m2 == m), None)
             if base32 and d != "float32":

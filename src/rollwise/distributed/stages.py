@@ -201,12 +201,16 @@ def build_distributed(cfg, rewards=None, *, address: str | None = None) -> RaySt
         max_concurrency=4).remote(reward_specs(cfg, local.task, rewards),
                                   reward_timeout(cfg, local.task))
     threads = cfg.run.threads or max(1, int(r.worker_cpus))
+    # on a GPU the learner and the rollout workers share it: Ray places each on a GPU slice
+    # and the weights the driver sends arrive there
+    gpus = 1 / (r.num_workers + 1) if cfg.run.device.startswith("cuda") else 0
     workers = [ray.remote(_actor("RolloutWorker")).options(
-        num_cpus=r.worker_cpus, max_restarts=RESTARTS, max_task_retries=RESTARTS,
-        max_concurrency=2, runtime_env=env).remote(data, policy, precision, reward, threads)
+        num_cpus=r.worker_cpus, num_gpus=gpus, max_restarts=RESTARTS,
+        max_task_retries=RESTARTS, max_concurrency=2, runtime_env=env).remote(
+            data, policy, precision, reward, threads)
         for _ in range(r.num_workers)]
     learner = ray.remote(_actor("LearnerWorker")).options(
-        num_cpus=1, max_restarts=0, runtime_env=env).remote(
+        num_cpus=1, num_gpus=gpus, max_restarts=0, runtime_env=env).remote(
         data, policy, precision, cfg.run.threads or 1)
     ray.get(learner.pid.remote())  # constructed (a bad config fails here, not mid-step)
     base = {f.name: getattr(local, f.name) for f in fields(Stages)}

@@ -5,8 +5,9 @@ those B rows in a function whose shapes depend only on a few sizes (`StepShape`)
 Python-level per-layer planning:
 
 - inputs are two small tensors made on the host in one pass over the rows and copied to the
-  device once: `ints` [5, B] (input token, own tokens cached = the write position, prompt
-  length, the row's place in the group layout for the scatter and for the gather) and
+  device once: `ints` [6, B] (input token, own tokens cached = the write position, prompt
+  length, the row's group for the scatter, its place among the group's rows, its group
+  for the gather) and
   `floats` [2, B] (the row's uniform for its draw and its temperature);
 - positions, rotary factors and the attention mask are computed on the device from those;
 - keys and values are written in place into the preallocated cache (`KVCache`: rows
@@ -122,14 +123,14 @@ class DecodeStep:
         groups = max(max(seen) + 1, self.floor)
         if self.bucketed:  # the cache's slot capacity, nmax to a power of two
             nmax, groups = 1 << (nmax - 1).bit_length(), self.cache.pk[0].shape[0]
-        spare = groups * nmax  # where padded rows scatter (never read)
+        spare = groups  # the group padded rows scatter into (never read)
         pad = rows - n
         toks = [r.tokens[-1] for r in reqs] + [0] * pad
         own = [r.cached for r in reqs] + [0] * pad
         plen = [len(r.group.tokens) for r in reqs] + [0] * pad
-        put = [r.group.slot * nmax + j for r, j in zip(reqs, place)] + [spare] * pad
-        get = put[:n] + [0] * pad
-        ints = torch.tensor([toks, own, plen, put, get], dtype=torch.long)
+        slots = [r.group.slot for r in reqs]
+        ints = torch.tensor([toks, own, plen, slots + [spare] * pad, place + [0] * pad,
+                             slots + [0] * pad], dtype=torch.long)
         u = uniforms([r.seed for r in reqs], [len(r.tokens) for r in reqs])
         temps = torch.tensor([float(r.params.temperature) for r in reqs], dtype=torch.float64)
         floats = torch.ones(2, rows, dtype=torch.float64)
@@ -173,7 +174,7 @@ class DecodeStep:
         d, cache = self.decoder, self.cache
         b, g, nmax, p, s = shape.rows, shape.groups, shape.per_group, shape.prefix, shape.own
         kvh, rep, hd = d.kv_heads, d.rep, d.head_dim
-        tok, own, plen, put, get = ints.unbind(0)
+        tok, own, plen, put, place, get = ints.unbind(0)
         pos = (plen + own).clamp(max=d.max_context - 1)
         cos, sin = d.cos[pos][:, None, None], d.sin[pos][:, None, None]  # [B, 1, 1, hd]
         keys = torch.arange(p + s, device=ints.device)
@@ -189,12 +190,14 @@ class DecodeStep:
             rv[rows, :, own] = v[:, 0]
             q = q.view(b, kvh, rep, hd)
             pre_k, pre_v = cache.pk[i][:g, :, :p], cache.pv[i][:g, :, :p]
-            s_pre = _from_groups(_to_groups(q, put, g, nmax) @ pre_k.transpose(-1, -2), get, nmax)
+            s_pre = _from_groups(_to_groups(q, put, place, g, nmax) @ pre_k.transpose(-1, -2),
+                                 get, place, nmax)
             s_own = q @ rk[:b, :, :s].transpose(-1, -2)  # [B, kvh, rep, S]
             scores = torch.cat([s_pre, s_own], -1).float().mul_(d.scale).add_(mask)
             probs = scores.softmax(-1).to(d.dtype)
             out = probs[..., p:] @ rv[:b, :, :s]
-            out = out + _from_groups(_to_groups(probs[..., :p], put, g, nmax) @ pre_v, get, nmax)
+            out = out + _from_groups(_to_groups(probs[..., :p], put, place, g, nmax) @ pre_v,
+                                     get, place, nmax)
             x = x + d._lin(out.reshape(b, 1, -1), layer.self_attn.o_proj)
             x = x + d._mlp(d._rms(x, layer.post_attention_layernorm), layer.mlp)
         logits = d.logits(x[:, 0])
@@ -252,18 +255,19 @@ class DecodeStep:
         return self._compiled
 
 
-def _to_groups(t: torch.Tensor, put: torch.Tensor, groups: int, nmax: int) -> torch.Tensor:
-    """[B, kvh, rep, X] rows -> [G, kvh, nmax*rep, X] group layout (absent rows are zero);
-    `put` [B] is each row's index in the [G * nmax] layout (G * nmax: padding, dropped)."""
+def _to_groups(t: torch.Tensor, put: torch.Tensor, place: torch.Tensor, groups: int,
+               nmax: int) -> torch.Tensor:
+    """[B, kvh, rep, X] rows -> [G, kvh, nmax*rep, X] group layout (absent rows are zero):
+    row b goes to group put[b] (G: padding, dropped) at place[b] among its rows. Written
+    straight into the layout, so the result is a view, not a copy."""
     _, h, rep, x = t.shape
-    buf = t.new_zeros(groups * nmax + 1, h, rep, x)
-    buf[put] = t
-    return buf[:-1].view(groups, nmax, h, rep, x).transpose(1, 2).reshape(
-        groups, h, nmax * rep, x)
+    buf = t.new_zeros(groups + 1, h, nmax, rep, x)
+    buf[put, :, place] = t
+    return buf[:groups].view(groups, h, nmax * rep, x)
 
 
-def _from_groups(t: torch.Tensor, get: torch.Tensor, nmax: int) -> torch.Tensor:
-    """[G, kvh, nmax*rep, X] group layout -> [B, kvh, rep, X] rows (`get`: as `put`, with
-    padded rows reading place 0)."""
+def _from_groups(t: torch.Tensor, get: torch.Tensor, place: torch.Tensor,
+                 nmax: int) -> torch.Tensor:
+    """[G, kvh, nmax*rep, X] group layout -> [B, kvh, rep, X] rows: one gather."""
     g, h, m, x = t.shape
-    return t.view(g, h, nmax, m // nmax, x).transpose(1, 2).reshape(g * nmax, h, m // nmax, x)[get]
+    return t.view(g, h, nmax, m // nmax, x)[get, :, place]
