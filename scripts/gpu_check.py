@@ -62,7 +62,7 @@ def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> t
     """Run a command, its output to `log`; (exit code, last lines)."""
     with log.open("w") as f:
         try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False,
                                   env={**os.environ, **(env or {})}, cwd=ROOT).returncode
         except subprocess.TimeoutExpired:
             code = 124
@@ -104,7 +104,7 @@ def serve_check(model: Path, out: Path, device: str, timeout: float) -> dict:
             try:
                 served = client.models.list().data[0].id
                 break
-            except Exception:  # not up yet
+            except Exception:  # noqa: BLE001 (not up yet: any connection error)
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError("server did not come up; see serve.log") from None
                 time.sleep(1)

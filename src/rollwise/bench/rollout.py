@@ -16,6 +16,7 @@ copy (0 for float32: weights in place). int8's roofline is against the int8 prod
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -212,7 +213,7 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
             if w == "fixed":
                 count, what, busy = _decode_dispatches(engine, *specs["fixed"])
                 row |= {"dispatches_per_step": count, "dispatches": what}
-                if busy == busy:  # measured (GPU)
+                if not math.isnan(busy):  # measured (GPU)
                     row["device_busy_frac"] = busy
             rows.append(row)
             ratio = {"workload": w, "engine": side, "dtype": d, "step_mode": m}
