@@ -91,7 +91,7 @@ def reward(json: JsonOpt = None,
            executions: Annotated[int, typer.Option(help="Programs per level and rep.")] = 40,
            reps: Annotated[int, typer.Option(help="Alternating repetitions.")] = 3,
            isolation: Annotated[list[str] | None, typer.Option(
-               help="bwrap, unshare, rlimits (repeatable; default every one that works).")
+               help="bwrap, unshare, landlock, rlimits (repeatable; default every one that works).")
            ] = None):
     """The code sandbox's cost per execution (pycode programs, every test passing)."""
     from rollwise.bench import reward as bench
@@ -101,7 +101,7 @@ def reward(json: JsonOpt = None,
     base = next(k for k in data["results"][0] if k.startswith("over_"))
     print_table(f"sandbox cost per execution (target mean <= {data['target_mean_ms']:g} ms)",
                 data["results"], ["isolation", "mean_ms", "median_ms", "p95_ms", base,
-                                  "executions", "tests", "passed", "meets_target"])
+                                  "executions", "tests", "passed", "default", "meets_target"])
     typer.echo(f"detected here: {data['detected']['isolation']}")
     page = write_results(data, json)
     if page:
