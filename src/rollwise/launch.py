@@ -24,9 +24,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollwise.config import Config, ConfigError, flatten, load_config, to_toml
 from rollwise.rundir import Run, claim_run_dir, finished_step, read_run_file, update_run_file
+
+if TYPE_CHECKING:  # the stages import torch; this module is read before the model loads
+    from rollwise.stages import Stages
 
 Rewards = dict[str, tuple[Callable, float]]  # name -> (function, weight), from Python
 
@@ -54,7 +58,7 @@ class Opened:
 
     cfg: Config
     root: Path
-    stages: object  # rollwise.stages.Stages (or the Ray backend's)
+    stages: Stages  # or the Ray backend's RayStages
     run: Run
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rollwise.config import Config, ConfigError
-from rollwise.registry import options_misfit
+from rollwise.registry import accepted_options, options_misfit
 
 # What the controller calls on an allocator (docs/extending.md, rollwise/control/allocators.py)
 ALLOCATOR_METHODS = ("plan", "observe", "train_groups", "max_rollouts", "state_dict",
@@ -46,6 +46,7 @@ def _known(key: str, name: str, registry, kind: str = "") -> None:
 
 def _check_algorithms(cfg: Config) -> None:
     from rollwise.algos import advantage_estimators, corrections, kl_estimators, policy_losses
+    from rollwise.algos.advantages import INPUTS
 
     a = cfg.algorithm
     _known("algorithm.advantage", a.advantage, advantage_estimators, "advantage estimator")
@@ -53,8 +54,6 @@ def _check_algorithms(cfg: Config) -> None:
     _known("algorithm.kl_estimator", a.kl_estimator, kl_estimators, "KL estimator")
     if a.correction not in ("none", "auto"):  # auto: rollwise.precision decides
         _known("algorithm.correction", a.correction, corrections, "correction")
-    from rollwise.algos.advantages import INPUTS
-
     problem = options_misfit(advantage_estimators.get(a.advantage), a.advantage_options,
                              passes=advantage_estimators.takes, inputs=INPUTS)
     if problem:
@@ -102,7 +101,6 @@ def _check_allocator(cfg: Config) -> None:
     and a constructor the control options can fill."""
     from rollwise.control.allocators import ALLOCATORS
     from rollwise.parts import allocator_options
-    from rollwise.registry import accepted_options
 
     name = cfg.control.allocator
     _known("control.allocator", name, ALLOCATORS)
