@@ -84,3 +84,22 @@ def test_report_shows_completions_and_compare_overlays_runs(trained_run, tmp_pat
     assert "2 runs compared" in html and html.count("<img") == 4
     bad = CliRunner().invoke(app, ["report", str(root), "--compare", str(tmp_path)])
     assert bad.exit_code == 2 and "not a run directory" in bad.output
+
+
+def test_a_run_trained_on_a_gpu_exports_and_serves_on_a_cpu(trained_run, tmp_path):
+    """A run directory that says run.device = 'cuda' (as a GPU run's does) loads on a machine
+    without one: export and serve build the model on the CPU from its safetensors."""
+    import shutil
+
+    from rollwise.serve.model import load_served
+
+    _, root = trained_run
+    gpu_run = tmp_path / "gpu_run"
+    shutil.copytree(root, gpu_run)
+    text = (gpu_run / "config.toml").read_text()
+    assert 'device = "cpu"' in text
+    (gpu_run / "config.toml").write_text(text.replace('device = "cpu"', 'device = "cuda"'))
+    export(gpu_run, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    served = load_served(str(gpu_run))
+    assert next(served.policy.model.parameters()).device.type == "cpu"

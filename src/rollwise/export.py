@@ -33,26 +33,37 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     return chosen[0]
 
 
-def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
-    """Write the model of `run_dir` at `step` (default: its latest checkpoint) to `out_dir`;
-    returns the checkpoint exported."""
+def load_run_policy(run_dir: Path, step: int | None = None):
+    """(policy, checkpoint, run state) of `run_dir` at `step` (default: the latest
+    checkpoint), LoRA folded in, on the CPU whatever device the run trained on (its
+    checkpoints are plain safetensors): exporting or serving a GPU run needs no GPU."""
     from rollwise.learner.checkpoint import load_checkpoint
     from rollwise.parts import build_policy
     from rollwise.tasks import make_task
 
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml")
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"device": "cpu"})})
     checkpoint = find_checkpoint(run_dir, step)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} exists and is not empty; choose a new folder")
     t = cfg.task
     task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
                      chat=cfg.model.name != "tiny", path=t.path, **t.options)
     policy = build_policy(cfg, task)  # the same warm start the run began from
-    load_checkpoint(checkpoint, policy.model)
+    _, state = load_checkpoint(checkpoint, policy.model)
+    if hasattr(policy.model, "merge_and_unload"):  # peft LoRA: fold the adapters in
+        policy.model = policy.model.merge_and_unload()
+    policy.model.eval()
+    return policy, checkpoint, state
+
+
+def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+    """Write the model of `run_dir` at `step` (default: its latest checkpoint) to `out_dir`;
+    returns the checkpoint exported."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} exists and is not empty; choose a new folder")
+    policy, checkpoint, _ = load_run_policy(run_dir, step)
     model = policy.model
-    if hasattr(model, "merge_and_unload"):  # peft LoRA: fold the adapters into the weights
-        model = model.merge_and_unload()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     policy.tokenizer.save_pretrained(out_dir)

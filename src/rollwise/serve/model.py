@@ -41,21 +41,8 @@ def _load(model: str, step: int | None, dtype: str) -> Served:
 
 
 def _load_run(run_dir: Path, step: int | None) -> Served:
-    from rollwise.config import load_config
-    from rollwise.export import find_checkpoint
-    from rollwise.learner.checkpoint import load_checkpoint
-    from rollwise.parts import build_policy
-    from rollwise.tasks import make_task
+    from rollwise.export import load_run_policy
 
-    cfg = load_config(run_dir / "config.toml")
-    checkpoint = find_checkpoint(run_dir, step)
-    t = cfg.task
-    task = make_task(t.name, seed=cfg.run.seed, num_train=t.num_train, num_eval=t.num_eval,
-                     chat=cfg.model.name != "tiny", path=t.path, **t.options)
-    policy = build_policy(cfg, task)  # the model the run started from, then its weights
-    _, state = load_checkpoint(checkpoint, policy.model)
-    if hasattr(policy.model, "merge_and_unload"):  # LoRA: fold the adapters in
-        policy.model = policy.model.merge_and_unload()
-    policy.model.eval()
+    policy, checkpoint, state = load_run_policy(run_dir, step)
     name = f"{run_dir.resolve().name}@{checkpoint.name}"
     return Served(policy, name, int(state.get("step", 0)), str(checkpoint))
