@@ -148,3 +148,30 @@ def test_stored_reward_info_splits_into_scores_and_errors():
                    logprobs=[0.0], versions=[0], finish_reason="stop", scores=scores,
                    reward_errors=errors)
     assert t.correct and t.reward_info == {"correct": 1.0, "errors": ["x: boom"]}
+
+
+def test_advantages_are_kept_and_a_version_1_store_gains_the_column(tmp_path):
+    """The advantage each trajectory was trained with round-trips (None: not trained); a
+    store written before advantages were kept opens, reads them as None, and takes new
+    ones; the report's completions view shows them."""
+    from rollwise.observe.completions import completions_section
+
+    path = tmp_path / "t.sqlite"
+    store = TrajectoryStore(path)
+    store.add_groups(1, make_groups(step=1))
+    store.close()
+    with sqlite3.connect(path) as conn:  # as version 1 wrote it
+        conn.execute("ALTER TABLE trajectories DROP COLUMN advantage")
+        conn.execute("PRAGMA user_version=1")
+    conn.close()
+    assert "advantage" in completions_section(path)  # read-only, the column absent
+    store = TrajectoryStore(path)
+    assert all(t.advantage is None for t in store.load_step(1))
+    groups = make_groups(step=2)
+    for i, t in enumerate(groups[0].trajectories):
+        t.advantage = 0.25 * i - 1.0 / 3
+    store.add_groups(2, groups)
+    assert [t.advantage for t in store.load_step(2)] == [
+        t.advantage for g in groups for t in g.trajectories]
+    store.close()
+    assert "-0.333" in completions_section(path) and "not trained" in completions_section(path)

@@ -34,7 +34,7 @@ def chosen_steps(steps: list[int], count: int = 3) -> list[int]:
 
 def _step_groups(conn: sqlite3.Connection, step: int) -> list[dict[str, Any]]:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")}
-    advantage = "t.advantage" if "advantage" in columns else "NULL"  # older stores
+    advantage = "t.advantage" if "advantage" in columns else "''"  # older stores: unknown
     rows = conn.execute(
         f"SELECT t.group_idx, s.prompt, s.answer, t.text, t.reward, t.num_tokens, {advantage}"
         " FROM trajectories t JOIN samples s ON s.sample_id = t.sample_id WHERE t.step = ?"
@@ -51,8 +51,9 @@ def _group_table(group: dict[str, Any], show: int) -> str:
     """One prompt and its `show` highest- and lowest-reward responses."""
     ranked = sorted(group["responses"], key=lambda x: -x[1])
     picked = ranked if len(ranked) <= 2 * show else ranked[:show] + ranked[-show:]
-    rows = [{"reward": r, "advantage": "not trained" if a is None else round(a, 3),
-             "tokens": n, "response": text} for text, r, n, a in picked]
+    rows = [{"reward": r, "advantage": "not trained" if a is None else
+             round(a, 3) if isinstance(a, float) else a, "tokens": n, "response": text}
+            for text, r, n, a in picked]
     return (f'<p class="muted">prompt: <code>{escape(str(group["prompt"])[:400])}</code> '
             f'&middot; answer <code>{escape(str(group["answer"]))}</code></p>'
             + html.table(rows))
