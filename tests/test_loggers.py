@@ -137,6 +137,9 @@ def test_trackio_logs_locally(tmp_path, monkeypatch):
     assert calls[0] == ("init", {"project": "rollwise", "name": "r",
                                  "config": {"run": {"seed": 0}}})
     assert calls[2] == ("log", 1, {"reward_mean": 0.5, "loss": 0.1}) and calls[-1] == ("finish",)
+    calls.clear()  # a resumed run continues the trackio run of its name
+    loggers = make_loggers(["trackio"], tmp_path, "r", {}, run_ids={"trackio": "r"})
+    assert calls[0][1]["resume"] == "allow" and loggers.run_ids() == {"trackio": "r"}
 
 
 def test_a_run_feeds_every_metrics_record_to_the_loggers(tmp_path):
