@@ -165,8 +165,10 @@ def _not_stopped(case: str, level: str) -> str:
     """Why `case` is not stopped under `level` (docs/rewards.md's table), else ''."""
     if level != "rlimits":
         return ""
-    if case in ("shared_temp_write", "sibling_deletion", "network", "unix_socket"):
-        return "limits alone share the file system and the network (docs/rewards.md)"
+    if case in ("shared_temp_write", "sibling_deletion"):
+        return "limits alone share the file system (docs/rewards.md)"
+    if case in ("network", "unix_socket") and not sb._layers(level)["seccomp"]:
+        return "limits without seccomp share the network (docs/rewards.md)"
     if case == "parent_proc" and not ROOT:
         return "limits alone, as the same user, can read that user's /proc (docs/rewards.md)"
     return ""

@@ -12,8 +12,9 @@ What one execution does (docs/rewards.md says what this stops and what it does n
    ``bwrap`` (bubblewrap namespaces, read-only file system), ``unshare`` (util-linux
    namespaces, with a private read-only view of the file system set up by the runner),
    ``landlock`` (no namespaces: Landlock and seccomp confine the code), else ``rlimits``
-   (limits only, NOT a security boundary: a one-time warning says so). Landlock and seccomp
-   are added under bwrap and unshare too where the kernel has them.
+   (limits, plus seccomp where the kernel has it; NOT a security boundary: a one-time warning
+   says so). Landlock and seccomp are added under bwrap and unshare too where the kernel has
+   them.
 4. The runner (`rollwise.rewards.runner`, trusted, standard library only) forks a candidate
    process that drops its privileges and loads the code; the tests run in the runner and call
    the code through canonical values only. Results reach this process on the runner's fd 1,
@@ -60,9 +61,10 @@ NO_PREIMPORT = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle",
 PREIMPORT = frozenset(sys.stdlib_module_names) - NO_PREIMPORT
 RLIMITS_WARNING = ("rollwise sandbox: model-written code runs with resource limits only (no "
                    "bubblewrap, unshare or Landlock isolation). Limits are NOT a "
-                   "security boundary: the code can read files this user can read, open "
-                   "network connections and leave processes behind. Install bubblewrap "
-                   "(Debian/Ubuntu: apt-get install bubblewrap) for isolation.")
+                   "security boundary: the code can read and write what this user can "
+                   "(shared temporary directories included) and, where seccomp is missing, "
+                   "open network connections. Install bubblewrap (Debian/Ubuntu: apt-get "
+                   "install bubblewrap) for isolation.")
 # The detection probe: the real interpreter, lazy standard-library imports (the ones that
 # fail when the code's user cannot read the interpreter), a file in its own directory.
 PROBE_CODE = ("import importlib\n"
@@ -249,14 +251,16 @@ def detect_isolation(force: str | None = None) -> str:
                          f"{', '.join(ISOLATION_LEVELS)}")
     with _detect_lock:
         if "works" not in _detected:
-            _detected["layers"] = layers = _layers_here()
-            works = {"rlimits": True}
+            # each kernel layer counts only where a real execution passes with it: seccomp
+            # first (every level uses it), then Landlock (the landlock level needs both)
+            _detected["layers"] = layers = {**_layers_here()}
+            if layers["seccomp"] and not _probe("rlimits"):
+                layers["seccomp"] = False
+            works = {"rlimits": True, "landlock": False}
             if layers["landlock"] and layers["seccomp"]:
                 works["landlock"] = _probe("landlock")
-            else:
-                works["landlock"] = False
-            if not works["landlock"]:  # the layers do not work here: no level uses them
-                _detected["layers"] = {"landlock": 0, "seccomp": False}
+            if not works["landlock"]:
+                layers["landlock"] = 0
             for level in ("bwrap", "unshare"):
                 works[level] = bool(shutil.which(level)) and _probe(level)
             _detected["works"] = {lvl: works[lvl] for lvl in ISOLATION_LEVELS}
@@ -273,9 +277,8 @@ def detect_isolation(force: str | None = None) -> str:
 def _layers(level: str) -> dict[str, Any]:
     """What an execution under `level` uses (detection decided what the kernel offers)."""
     found = _detected.get("layers") or {"landlock": 0, "seccomp": False}
-    confined = level != "rlimits"
-    return {"landlock": found["landlock"] if confined else 0,
-            "seccomp": found["seccomp"] and confined,
+    return {"landlock": found["landlock"] if level != "rlimits" else 0,
+            "seccomp": found["seccomp"],  # every level, limits alone included
             "mounts": level == "unshare",
             "drop_uid": NOBODY if os.geteuid() == 0 else 0}
 
