@@ -249,7 +249,7 @@ def serve(model: Annotated[str, typer.Option(
                                       ] = 65536,
           device: Annotated[str, typer.Option(help="Torch device: cpu, cuda or cuda:N.")
                             ] = "cpu",
-          threads: Annotated[int, typer.Option(help="Torch CPU threads (0: all cores).")] = 0):
+          threads: Annotated[int, typer.Option(help="Torch CPU threads (0: cores free at start).")] = 0):
     """Serve a model over an OpenAI-compatible HTTP API (docs/serve.md)."""
     import uvicorn
 

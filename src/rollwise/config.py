@@ -43,7 +43,8 @@ class RunConfig(_Section):
         "files), trackio (local); each but jsonl is an optional extra (docs/metrics.md)."
     )
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1'.")
-    threads: int = Field(0, ge=0, description="Torch CPU threads (0: all cores).")
+    threads: int = Field(0, ge=0, description="Torch CPU threads (0: the cores not busy with "
+                         "other work at start).")
     overwrite: bool = Field(
         False, description="Replace an existing run directory of the same name (else -2, -3..)."
     )

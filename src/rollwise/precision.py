@@ -6,10 +6,14 @@
 
 A probe looks at the CPU's instruction sets (what torch dispatches to, plus /proc/cpuinfo or
 the platform's equivalent) and times the candidate precisions on the model's own matrix
-shapes for about a second: the rollout's products at decode batch size (float32, bfloat16,
+shapes for a second or two: the rollout's products at decode batch size (float32, bfloat16,
 int8 with per-row activation scales) and the learner's forward + backward (float32 against
-bfloat16 autocast). The result is cached per machine, torch version, vector-ISA caps,
-threads and shapes under `$ROLLWISE_CACHE/probe/`, so later runs decide instantly.
+bfloat16 autocast). The measurement runs twice; when the two passes disagree (a choice
+differs, or a ratio to float32 by more than AGREE: other work on the machine came or went)
+a third runs, the median of the three decides this run, and nothing is cached. A consistent
+result is cached per machine, torch version, vector-ISA caps, threads and shapes under
+`$ROLLWISE_CACHE/probe/`, so later runs decide instantly; `ROLLWISE_REPROBE=1` (or
+`rollwise bench probe`) measures again and replaces the entry.
 
 The rule, on the CPU: bfloat16 only where the instruction set computes it natively
 (AVX-512-BF16, AMX, Arm BF16) and the probe measures it faster; otherwise int8 rollouts when
@@ -27,6 +31,7 @@ it is emulated works but warns once with the measured slowdown.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -42,6 +47,7 @@ import torch
 ROLLOUT_DTYPES = ("float32", "bfloat16", "int8")
 LEARNER_PRECISIONS = ("float32", "bf16-autocast")
 ADOPT_SPEEDUP = 1.25  # a lower precision is adopted only this much faster than float32
+AGREE = 1.25  # two probe passes agree when every ratio to float32 is within this factor
 # Below this hidden size a decode step's time is per-operation overhead, not arithmetic: the
 # built-in tiny model (hidden 128) ran at 0.96x (bfloat16) and 0.91x (int8) of float32's
 # tokens/s although its products alone time faster. Such models stay float32, unprobed.
@@ -86,6 +92,8 @@ class Probe:
     caps: dict[str, str] = field(default_factory=dict)  # vector-ISA caps in the environment
     seconds: float = 0.0  # time the measurement took
     cached: bool = False
+    passes: int = 1  # measurement passes run
+    consistent: bool = True  # the passes agreed (only then is the result cached)
 
     def speedup(self, kind: str, name: str) -> float:
         table = self.rollout_gflops if kind == "rollout" else self.learner_gflops
@@ -118,7 +126,9 @@ class PrecisionChoice:
                           if k != "float32")
         bf16 = "native bf16" if p.native_bf16 else "no native bf16"
         return (f"{text} | {p.cpu} ({p.isa}, {bf16}); vs float32: rollout {ratios}; learner "
-                f"{learn}" + (" [cached probe]" if p.cached else f" [probed in {p.seconds:.1f}s]"))
+                f"{learn}; {p.threads} threads" + (" [cached probe]" if p.cached else
+                f" [probed in {p.seconds:.1f}s, {p.passes} passes"
+                + ("]" if p.consistent else ": inconsistent, not cached]")))
 
     def record(self) -> dict:
         out = {"rollout": self.rollout, "learner": self.learner, "correction": self.correction,
@@ -256,9 +266,31 @@ def _cache_path(key: dict) -> Path:
     return cache_root() / "probe" / f"{digest}.json"
 
 
+def _measure(shapes: ModelShapes, budget_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """One pass: (rollout GFLOP/s per dtype, learner GFLOP/s per precision)."""
+    with torch.no_grad():
+        rollout = _gflops({d: _rollout_layer(shapes, d, 64) for d in ROLLOUT_DTYPES}, budget_s)
+    return rollout, _gflops({p: _learner_step(shapes, p, 256) for p in LEARNER_PRECISIONS},
+                            budget_s)
+
+
+def _agree(a: Probe, b: Probe) -> bool:
+    """Two passes lead to the same choice and every ratio to float32 is within AGREE."""
+    if choose(a) != choose(b):
+        return False
+    for kind, table in (("rollout", a.rollout_gflops), ("learner", a.learner_gflops)):
+        for name in table:
+            x, y = a.speedup(kind, name), b.speedup(kind, name)
+            if not (x > 0 and y > 0 and max(x, y) / min(x, y) <= AGREE):
+                return False
+    return True
+
+
 def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 0.6,
           use_cache: bool = True) -> Probe:
-    """Measure (or read from the cache) this CPU's speed per precision on `shapes`."""
+    """Measure (or read from the cache) this CPU's speed per precision on `shapes`: two
+    passes, a third when they disagree (module docstring); only a consistent result is
+    cached. `ROLLWISE_REPROBE=1` ignores a cached entry (and replaces it)."""
     threads = threads or torch.get_num_threads()
     flags = cpu_flags()
     isa = torch.backends.cpu.get_cpu_capability()
@@ -266,9 +298,9 @@ def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 
     relevant = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))
                       or f in _BF16_FLAGS or f in ("asimd", "sve", "i8mm"))
     key = {"cpu": cpu_name(), "flags": relevant, "isa": isa, "caps": caps,
-           "torch": torch.__version__, "threads": threads, "shapes": asdict(shapes), "v": 1}
-    path = _cache_path(key)
-    if use_cache and path.is_file():
+           "torch": torch.__version__, "threads": threads, "shapes": asdict(shapes), "v": 2}
+    path = _cache_path(key)  # v2: entries of single-pass probes (v1) are measured again
+    if use_cache and path.is_file() and not os.environ.get("ROLLWISE_REPROBE"):
         try:
             data = json.loads(path.read_text())
             return Probe(**data | {"cached": True})
@@ -276,13 +308,18 @@ def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 
             pass  # a damaged cache entry is measured again
     start = time.perf_counter()
     native = native_bf16(flags, isa)
-    with torch.no_grad():
-        rollout = _gflops({d: _rollout_layer(shapes, d, 64) for d in ROLLOUT_DTYPES}, budget_s)
-    learner = _gflops({p: _learner_step(shapes, p, 256) for p in LEARNER_PRECISIONS}, budget_s)
-    result = Probe(cpu=key["cpu"], isa=isa, flags=relevant, native_bf16=native,
-                   rollout_gflops=rollout, learner_gflops=learner, threads=threads, caps=caps,
-                   seconds=time.perf_counter() - start)
-    if use_cache:
+    passes = [Probe(cpu=key["cpu"], isa=isa, flags=relevant, native_bf16=native,
+                    rollout_gflops=r, learner_gflops=lr, threads=threads, caps=caps)
+              for r, lr in (_measure(shapes, budget_s) for _ in range(2))]
+    consistent = _agree(*passes)
+    if not consistent:
+        r, lr = _measure(shapes, budget_s)
+        passes.append(dataclasses.replace(passes[0], rollout_gflops=r, learner_gflops=lr))
+    result = dataclasses.replace(
+        passes[0], rollout_gflops=_median_table([p.rollout_gflops for p in passes]),
+        learner_gflops=_median_table([p.learner_gflops for p in passes]),
+        seconds=time.perf_counter() - start, passes=len(passes), consistent=consistent)
+    if use_cache and consistent:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -291,6 +328,10 @@ def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 
         except OSError:
             pass  # an unwritable cache only costs the next run a second
     return result
+
+
+def _median_table(tables: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(t[k] for t in tables) for k in tables[0]}
 
 
 # -- the decision -----------------------------------------------------------------------------

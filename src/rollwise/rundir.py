@@ -51,7 +51,7 @@ from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
 from rollwise.rewards.pool import NOTE
 from rollwise.runlock import RunLock
-from rollwise.runtime import device_memory
+from rollwise.runtime import device_memory, rss_peak, run_peak_rss_mb
 from rollwise.types import CORRECT, Group, Trajectory
 
 
@@ -154,6 +154,7 @@ class StepTimer:
     def __init__(self, bar: ProgressHandle | None = None):
         self.start = time.perf_counter()
         self.phases: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}  # peak resident set (MiB) per phase
         self.bar = bar
 
     @contextlib.contextmanager
@@ -162,9 +163,11 @@ class StepTimer:
         if self.bar is not None:
             self.bar.set_description(name)
         try:
-            yield
+            with rss_peak() as peak:
+                yield
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+            self.peaks[name] = max(self.peaks.get(name, 0.0), peak.get("mb", 0.0))
 
     def total(self) -> float:
         return time.perf_counter() - self.start
@@ -361,6 +364,7 @@ class Run:
             "reward_errors": rewards.num_errors, "reward_timeouts": rewards.num_timeouts,
             "reward_infra": rewards.num_infra,
             **update, **(control or {}), **device_memory(),
+            **{f"peak_rss_{k}_mb": v for k, v in timer.peaks.items()},
         }
         record |= capacity(record, phases, seconds, sum(len(g.trajectories) for g in kept))
         problems = self.health.observe(record)
@@ -415,6 +419,8 @@ class Run:
         raise RunUnhealthy(reason)
 
     def write_summary(self) -> dict:
+        # the peak resident set of this process, or of an earlier one of the run if higher
+        self.summary["peak_rss_mb"] = max(self.summary.get("peak_rss_mb", 0.0), run_peak_rss_mb())
         out = {**self.summary, **self.counters, "steps": self.step, "run_dir": str(self.root),
                "health_problem_steps": self.health.problem_steps}
         atomic_write_text(self.root / "summary.json", json.dumps(out, indent=2))

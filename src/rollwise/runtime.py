@@ -1,10 +1,15 @@
-"""Process-level settings that make CPU training fast: threads and the memory allocator."""
+"""Process-level settings that make CPU training fast (threads, the memory allocator), and the
+memory peaks a run reports."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -30,20 +35,114 @@ def tune_allocator() -> bool:
     return bool(ok)
 
 
-def configure(threads: int = 0) -> None:
-    """Torch CPU threads (0: all cores) and the allocator."""
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+def _cpu_times() -> dict[int, tuple[int, int]]:
+    """{cpu: (idle jiffies, total jiffies)} from /proc/stat (Linux)."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+            out[int(name[3:])] = (ticks[3] + ticks[4], sum(ticks))
+    return out
+
+
+def free_cores(sample_s: float = 0.25) -> int:
+    """Cores this process may run on that other work is not using now: a core counts when
+    it was at least half idle over `sample_s` (/proc/stat). At least 1; every allowed core
+    where /proc/stat cannot be read (macOS). A busy neighbour on one of two cores makes this
+    1: two threads would leave one waiting on the busy core at every parallel operation."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(
+        range(os.cpu_count() or 1))
+    try:
+        before = _cpu_times()
+        time.sleep(sample_s)
+        after = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return max(1, len(allowed))
+    free = 0
+    for cpu in allowed:
+        if cpu in before and cpu in after:
+            idle = after[cpu][0] - before[cpu][0]
+            total = after[cpu][1] - before[cpu][1]
+            free += total <= 0 or idle >= 0.5 * total
+    return max(1, free)
+
+
+def configure(threads: int = 0) -> int:
+    """Torch CPU threads (0: the cores free now, `free_cores`) and the allocator; returns
+    the thread count."""
+    threads = threads or free_cores()
+    torch.set_num_threads(threads)
     tune_allocator()
+    return threads
+
+
+_STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+_step_peak_kb = 0  # the highest resident set seen since the last device_memory(), in KiB
+_run_peak_kb = 0  # ... since the process started (resets of the kernel's mark folded in)
+
+
+def _rss_hwm_kb() -> int:
+    """The kernel's high-water mark of this process's resident set, in KiB: VmHWM from
+    /proc/self/status (Linux), else getrusage's ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak
+
+
+def _fold_and_reset() -> int:
+    """Fold the current high-water mark into the step's and the run's peak, then reset the
+    kernel's mark to the current resident set ("5" into /proc/self/clear_refs, Linux 4.0+;
+    where refused the mark keeps growing and later peaks are the process's so far)."""
+    global _step_peak_kb, _run_peak_kb
+    hwm = _rss_hwm_kb()
+    _step_peak_kb, _run_peak_kb = max(_step_peak_kb, hwm), max(_run_peak_kb, hwm)
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        pass
+    return hwm
+
+
+@contextlib.contextmanager
+def rss_peak() -> Iterator[dict[str, float]]:
+    """Measure the peak resident set of the process during the block: yields a dict whose
+    `mb` is filled in (MiB) when the block ends. The whole process is counted (every thread:
+    in the asynchronous driver a phase's figure includes what runs beside it), not the
+    children (Ray actors, sandboxed reward processes)."""
+    out: dict[str, float] = {}
+    _fold_and_reset()
+    try:
+        yield out
+    finally:
+        out["mb"] = _fold_and_reset() / 1024
+
+
+def run_peak_rss_mb() -> float:
+    """The process's peak resident set so far (MiB), across every reset of the kernel's mark."""
+    return max(_run_peak_kb, _rss_hwm_kb()) / 1024
 
 
 def device_memory() -> dict[str, float]:
-    """The GPU memory peak since the last call (`cuda_max_allocated_mb`, all CUDA devices in
-    use), then reset; {} where CUDA was never used in this process."""
+    """Memory peaks since the last call, then reset: `peak_rss_mb`, the process's resident
+    set (CPU memory: weights, optimizer state, activations, caches; MiB, from the kernel's
+    VmHWM, see `rss_peak`), and on a GPU `cuda_max_allocated_mb` (all CUDA devices in use)."""
+    global _step_peak_kb
+    _fold_and_reset()
+    out = {"peak_rss_mb": _step_peak_kb / 1024}
+    _step_peak_kb = 0
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return {}
+        return out
     peak = 0
     for i in range(torch.cuda.device_count()):
         peak = max(peak, torch.cuda.max_memory_allocated(i))
         torch.cuda.reset_peak_memory_stats(i)
-    return {"cuda_max_allocated_mb": peak / 2**20}
-
+    return out | {"cuda_max_allocated_mb": peak / 2**20}

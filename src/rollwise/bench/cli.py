@@ -13,7 +13,7 @@ bench_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Benchmarks: print a table, write --json and an HTML page.")
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write results here (+ .html).")]
 ModelOpt = Annotated[str, typer.Option(help="'tiny' or 'smollm2-135m'.")]
-ThreadsOpt = Annotated[int, typer.Option(help="Torch CPU threads (0: all cores).")]
+ThreadsOpt = Annotated[int, typer.Option(help="Torch CPU threads (0: cores free at start).")]
 DeviceOpt = Annotated[str, typer.Option(help="Torch device: cpu, cuda or cuda:N.")]
 
 

@@ -93,7 +93,8 @@ def format_step_line(record: dict[str, Any]) -> str:
     Reads: step, num_steps, reward_mean, eval_accuracy, response_len_p50, zero_var_frac,
     time_rollout, time_reward, time_train (seconds), rollout_tokens_per_s, and the verifier
     calls that failed (reward_errors, reward_timeouts, reward_infra) when there were any,
-    and the GPU memory peak (cuda_max_allocated_mb) on a GPU.
+    the process's peak resident set (peak_rss_mb) and the GPU memory peak
+    (cuda_max_allocated_mb) on a GPU.
 
     >>> format_step_line({"step": 3, "num_steps": 20, "reward_mean": 0.414, "time_train": 12.34})
     'step 3/20 | reward 0.41 | train 12.3s'
@@ -128,6 +129,9 @@ def format_step_line(record: dict[str, Any]) -> str:
     tps = number(record, "rollout_tokens_per_s")
     if tps is not None:
         parts.append(f"{tps:.0f} tok/s")
+    rss = number(record, "peak_rss_mb")
+    if rss is not None:
+        parts.append(f"rss {rss / 1024:.1f} GB")
     gpu = number(record, "cuda_max_allocated_mb")
     if gpu is not None:
         parts.append(f"gpu {gpu:.0f} MB")
