@@ -209,7 +209,7 @@ class NativeEngine:
                 multi, single = single + multi, []  # small batch: one pass, a little padding
             if single and not multi and self.decode_step.mode != "rows":
                 # every row decodes one token: the static-shape step
-                self._decode_static(rows)
+                self._decode(rows)
             elif single:
                 self._decode([rows[i] for i in single], single)
             if multi:
@@ -268,27 +268,20 @@ class NativeEngine:
             self.stats.reused_tokens += sum(starts)
         self.stats.prefill_seconds += time.perf_counter() - start
 
-    def _decode(self, reqs: list[Request], rows: list[int]) -> None:
+    def _decode(self, reqs: list[Request], rows: list[int] | None = None) -> None:
+        """One token for each of `reqs`: through the static-shape step when they are every
+        resident row (`rows` None: rows 0..B-1), else through the general chunk pass over
+        cache rows `rows`."""
         start = time.perf_counter()
-        self.cache.ensure_rows(len(self.admission.rows), max(r.cached for r in reqs) + 1)
-        plan = self.decoder.plan(rows, [[r.tokens[-1]] for r in reqs], [r.cached for r in reqs],
-                                 [r.group.slot for r in reqs], [len(r.group.tokens) for r in reqs])
-        hidden = self.decoder.forward_rows(self.cache, plan)[:, -1]
-        for r in reqs:
-            r.cached += 1
-        self.stats.forward_passes += 1
-        self.stats.decode_passes += 1
-        self.stats.decode_tokens += len(reqs)
-        self.stats.row_forwards += len(reqs)
-        logits = self.decoder.logits(hidden)
-        for idx, (tok, lp) in self._draw(reqs, logits).items():
-            self._emit(reqs[idx], [tok], [lp])
-        self.stats.decode_seconds += time.perf_counter() - start
-
-    def _decode_static(self, reqs: list[Request]) -> None:
-        """One token for every resident row (rows 0..B-1) through the static-shape step."""
-        start = time.perf_counter()
-        drawn, logits = self.decode_step(reqs)
+        if rows is None:
+            drawn, logits = self.decode_step(reqs)
+        else:
+            self.cache.ensure_rows(len(self.admission.rows), max(r.cached for r in reqs) + 1)
+            plan = self.decoder.plan(rows, [[r.tokens[-1]] for r in reqs],
+                                     [r.cached for r in reqs], [r.group.slot for r in reqs],
+                                     [len(r.group.tokens) for r in reqs])
+            hidden = self.decoder.forward_rows(self.cache, plan)[:, -1]
+            drawn, logits = None, self.decoder.logits(hidden)
         for r in reqs:
             r.cached += 1
         self.stats.forward_passes += 1
