@@ -418,11 +418,11 @@ def run_tests(code: str, tests: str, entry_point: str, limits: SandboxLimits | N
         payload = {
             "code": code, "entry_point": entry_point, "preimport": preimport,
             "drop_uid": use["drop_uid"], "nproc": int(limits.processes), "cpu_s": limits.cpu_s,
-            # nobody cannot pass the directories above the interpreter and no mount namespace
-            # re-mounts it: the code's process imports through descriptors opened before
             # as a user outside a user namespace the process-count limit counts all of the
             # user's tasks (the trainer's threads too): the code gets `processes` more
             "nproc_counts_user": os.geteuid() != 0 and level in ("landlock", "rlimits"),
+            # nobody cannot pass the directories above the interpreter and no mount namespace
+            # re-mounts it: the code's process imports through descriptors opened before
             "imports_via_fds": bool(use["drop_uid"]) and level in ("landlock", "rlimits")
             and not _interpreter_readable_by_others(),
             # the runner stops the code a little before this process kills everything
