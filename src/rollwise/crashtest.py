@@ -38,7 +38,9 @@ from rollwise.config import Config, load_config, to_toml
 from rollwise.rewards.group import group_reward
 from rollwise.types import Sample, Trajectory
 
-VOLATILE = ("time", "seconds", "per_s")  # metric names holding wall-clock figures
+# metric names holding wall-clock figures, or the process's memory (peak_rss_mb: a resumed
+# process has its own history, and a fork inherits its parent's)
+VOLATILE = ("time", "seconds", "per_s", "peak_rss")
 
 
 def short_answer(completion: str, sample: Sample) -> float:
@@ -116,8 +118,8 @@ def _wait(pid: int) -> int:
 
 
 def stable(record: dict) -> dict:
-    """A metrics record without its wall-clock figures (names with time, seconds, per_s,
-    or ending in _s)."""
+    """A metrics record without its wall-clock and memory figures (names with time,
+    seconds, per_s, peak_rss, or ending in _s)."""
     return {k: v for k, v in record.items()
             if not (k.endswith("_s") or any(s in k for s in VOLATILE))}
 
