@@ -34,7 +34,9 @@ def train(config: Config | str | Path, *,
           weights: Mapping[str, float] | None = None, overrides: Sequence[str] = (),
           resume: bool | str | Path = False, allow_changes: bool = False,
           echo: Callable[[str], None] | None = print) -> dict[str, Any]:
-    """Train as `rollwise train` does and return the run's summary. `rewards`: extra
+    """Train as `rollwise train` does (the same checks, run directory, loggers of
+    run.loggers; a new run whose name is taken goes to `<name>-2`, ...: the summary's
+    `run_dir`) and return the run's summary. `rewards`: extra
     verifiers `(completion: str, sample: Sample) -> float`, added to the config's
     task.rewards under their names (a function's `__name__` for a list) with weight 1 or
     `weights[name]`; functions marked `@rollwise.group_reward` are group terms (their
