@@ -64,3 +64,69 @@ def test_threads_follow_the_free_cores(monkeypatch) -> None:
     idle = iter([{0: (0, 0), 1: (0, 0)}, {0: (100, 100), 1: (80, 100)}])
     monkeypatch.setattr(runtime, "_cpu_times", lambda: next(idle))
     assert runtime.free_cores(0) == 2
+
+
+# -- the learner's memory options --------------------------------------------------------------
+
+
+def _learner(model, **kw):
+    from rollwise.algos import policy_losses
+    from rollwise.learner import Learner
+
+    return Learner(model, loss_fn=policy_losses["ppo"], loss_options={"aggregation": "token-mean"},
+                   lr=1e-3, logprob_chunk=4, **kw)
+
+
+def test_checkpointing_gives_the_same_update(tiny_llama, random_trajectories) -> None:
+    """Recomputing activations in the backward pass changes memory, not the update (float64:
+    the same products in the same order)."""
+    from rollwise.learner import collate
+
+    trajs = random_trajectories(6)
+    batch = collate(trajs, torch.tensor([1.0, -0.5, 0.3, -1.2, 0.8, -0.1]),
+                    torch.arange(6) // 2, pad_id=0)
+    plain = tiny_llama(torch.float64)
+    ckpt = tiny_llama(torch.float64)
+    a = _learner(plain, share_prompts=False)
+    b = _learner(ckpt, activation_checkpointing=True)
+    assert not b.share_prompts  # a recomputed layer cannot replay the prompt's cache
+    ma, mb = a.update(batch), b.update(batch)
+    assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-12)
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-12)
+    assert ckpt.model.layers[0].gradient_checkpointing
+
+
+def test_memory_budget_sizes_micro_batches_and_chunks(tiny_llama) -> None:
+    from rollwise.learner import memory
+
+    model = tiny_llama()  # 2 layers, hidden 32, MLP 64 (build_model's), vocabulary 88
+    per_token = memory.activation_mb_per_token(model, "float32")
+    cfg = model.config
+    assert per_token == pytest.approx(2 * (memory.ACT_HIDDEN["float32"] * 32
+                                           + memory.ACT_MLP["float32"] * cfg.intermediate_size)
+                                      / 2**20)
+    assert memory.activation_mb_per_token(model, "float32", checkpointing=True) < per_token
+    budget = 1000 * per_token + memory.logits_mb(model, 4)
+    tokens, chunk = memory.fit_budget(model, budget, precision="float32", checkpointing=False,
+                                      micro_batch_tokens=4096, logprob_chunk=4)
+    assert (tokens, chunk) == (1000, 4)
+    # never above the configured sizes, never below MIN_TOKENS
+    assert memory.fit_budget(model, 1e6, precision="float32", checkpointing=False,
+                             micro_batch_tokens=512, logprob_chunk=4) == (512, 4)
+    tokens, chunk = memory.fit_budget(model, 1e-3, precision="float32", checkpointing=False,
+                                      micro_batch_tokens=4096, logprob_chunk=1024)
+    assert tokens == memory.MIN_TOKENS and chunk == 1
+    learner = _learner(model, micro_batch_tokens=4096, memory_budget_mb=budget)
+    assert (learner.micro_batch_tokens, learner.logprob_chunk) == (1000, 4)
+
+
+def test_state_of_full_and_lora_training(tiny_llama) -> None:
+    from rollwise.learner import memory
+
+    model = tiny_llama()
+    size = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    assert memory.state_mb(model) == pytest.approx(
+        {"weights_mb": size, "grads_mb": size, "adamw_mb": 2 * size})
+    model.requires_grad_(False)
+    assert memory.state_mb(model)["adamw_mb"] == 0

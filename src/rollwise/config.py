@@ -279,6 +279,14 @@ class LearnerConfig(_Section):
         True, description="Run no forward/backward for rows whose advantage is 0 when the loss "
         "declares they add nothing (PPO, GSPO, CISPO with kl_coef and entropy_coef 0 in the "
         "loss): the same update, faster.")
+    activation_checkpointing: bool = Field(
+        False, description="Keep only each decoder layer's input and recompute the rest in "
+        "the backward pass: much less activation memory for about a third more learner time "
+        "(prompts are then not shared).")
+    memory_budget_mb: float = Field(
+        0.0, ge=0, description="MiB the update's activations may take beyond the weights, "
+        "gradients and optimizer state: micro_batch_tokens and logprob_chunk shrink to fit "
+        "(an estimate from the model's shape, docs/performance.md; 0: no budget).")
 
 
 class EvalConfig(_Section):

@@ -119,7 +119,9 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
         correction_fn=None if precision.correction == "none" else lookup(
             corrections, precision.correction, "correction"),
         correction_options={"cap": a.correction_cap, "low": a.correction_low},
-        skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts)
+        skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts,
+        activation_checkpointing=lc.activation_checkpointing,
+        memory_budget_mb=lc.memory_budget_mb)
 
 
 def build_eval_tasks(cfg: Config) -> list[tuple[str, Task]]:

@@ -35,6 +35,16 @@ def tune_allocator() -> bool:
     return bool(ok)
 
 
+def trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc malloc_trim; elsewhere nothing), so
+    that a resident-set figure taken next counts live memory, not what `tune_allocator`
+    keeps for reuse."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _cpu_times() -> dict[int, tuple[int, int]]:
     """{cpu: (idle jiffies, total jiffies)} from /proc/stat (Linux)."""
     out = {}

@@ -388,7 +388,10 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
     data = bl.run(model, reps=reps, variants=variants, device=device, progress=_say)
     print_table(f"learner update: {model}, {data['rows']} rows, {data['tokens']} tokens, "
                 f"{data['threads']} threads", data["variants"],
-                ["variant", "update_s", "min_s", "max_s", "speedup_vs_float32"])
+                ["variant", "update_s", "min_s", "max_s", "speedup_vs_float32", "peak_rss_mb",
+                 "added_rss_mb"])
+    print_table("peak resident set per phase (MiB)", data["phases"],
+                ["phase", "peak_rss_mb", "added_rss_mb"])
     page = write_results(data, json)
     if page:
         typer.echo(f"wrote {json} and {page}")

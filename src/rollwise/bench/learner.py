@@ -13,6 +13,11 @@ one small step per update and the timings compare like with like:
 - `float32+tis`: float32 compute with TIS, what `auto` picks with int8 rollouts (AVX2);
 - `float32-unshared`: float32 with every row running its own copy of the prompt
   (`learner.share_prompts = false`, the behaviour before prompts were shared).
+
+Memory: the peak resident set of the process in each phase (`peak_rss_mb`: sampling the
+batch, scoring it, and each variant's update, the optimizer's state included), and what
+the phase added to the resident set it started from (`added_rss_mb`); freed heap memory
+is returned to the system before each phase, so the start is the live set.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 
 from rollwise.bench.common import load_workload, median, synchronize
+from rollwise.runtime import rss_peak, trim_heap
 
 VARIANTS: dict[str, tuple[str, str, bool]] = {  # name: (precision, correction, share prompts)
     "float32": ("float32", "none", True),
@@ -34,22 +40,45 @@ VARIANTS: dict[str, tuple[str, str, bool]] = {  # name: (precision, correction, 
 }
 
 
-def _batch(policy, prompts: list[list[int]], n: int, max_tokens: int, seed: int):
+def _phase(peaks: dict[str, dict[str, float]], name: str):
+    """Context measuring the process's peak resident set during one phase into `peaks`."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def measure():
+        trim_heap()
+        with rss_peak() as start:
+            pass
+        with rss_peak() as peak:
+            yield
+        peaks[name] = {"peak_rss_mb": max(peaks.get(name, {}).get("peak_rss_mb", 0.0),
+                                          peak["mb"]),
+                       "added_rss_mb": max(peaks.get(name, {}).get("added_rss_mb", 0.0),
+                                           peak["mb"] - start["mb"])}
+    return measure()
+
+
+def _batch(policy, pairs, n: int, max_tokens: int, seed: int, peaks: dict):
     from rollwise.engine import NativeEngine, SamplingParams
     from rollwise.learner.batch import collate
-    from rollwise.types import Sample, Trajectory
+    from rollwise.rewards.verifiers import final_number
+    from rollwise.types import Trajectory
 
-    engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids)
-    outs = engine.generate(prompts, SamplingParams(n=n, temperature=0.7, max_tokens=max_tokens,
-                                                   seed=seed))
-    trajs = [Trajectory(sample=Sample(id=str(i), prompt="", answer=""),
-                        prompt_ids=list(prompts[c.prompt_index]), response_ids=c.token_ids,
-                        logprobs=c.logprobs, versions=c.versions, finish_reason=c.finish_reason)
-             for i, c in enumerate(outs)]
+    with _phase(peaks, "rollout"):
+        engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids)
+        outs = engine.generate([ids for _, ids in pairs], SamplingParams(
+            n=n, temperature=0.7, max_tokens=max_tokens, seed=seed))
+        del engine
+    with _phase(peaks, "reward"):
+        trajs = [Trajectory(sample=pairs[c.prompt_index][0],
+                            prompt_ids=list(pairs[c.prompt_index][1]), response_ids=c.token_ids,
+                            logprobs=c.logprobs, versions=c.versions,
+                            finish_reason=c.finish_reason) for c in outs]
+        rewards = [final_number(policy.decode(t.response_ids), t.sample) for t in trajs]
     gen = torch.Generator().manual_seed(seed)
     adv = torch.randn(len(trajs), generator=gen)  # every row non-zero: all rows train
     return collate(trajs, adv, torch.arange(len(trajs)) // n,
-                   pad_id=policy.tokenizer.pad_token_id)
+                   pad_id=policy.tokenizer.pad_token_id), sum(rewards) / len(rewards)
 
 
 def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens: int = 64,
@@ -58,8 +87,9 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
     from rollwise.algos import corrections, policy_losses
     from rollwise.learner import Learner
 
-    policy, ids = load_workload(model, prompts, seed, device)
-    batch = _batch(policy, ids, n, max_tokens, seed)
+    policy, pairs = load_workload(model, prompts, seed, device, split="pairs")
+    peaks: dict[str, dict[str, float]] = {}
+    batch, reward = _batch(policy, pairs, n, max_tokens, seed, peaks)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(reps):
         order = list(variants[rep % len(variants):] + variants[: rep % len(variants)])
@@ -71,19 +101,22 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
                               share_prompts=share,
                               correction_fn=None if correction == "none" else corrections[
                                   correction], correction_options={"cap": 2.0})
-            synchronize(device)
-            start = time.perf_counter()
-            learner.update(batch)
-            synchronize(device)
-            times[v].append(time.perf_counter() - start)
-            del learner
+            with _phase(peaks, f"learner {v}"):
+                synchronize(device)
+                start = time.perf_counter()
+                learner.update(batch)
+                synchronize(device)
+                times[v].append(time.perf_counter() - start)
+                del learner
             if progress:
                 progress(f"rep {rep + 1}/{reps} {v}: {times[v][-1]:.2f}s")
     base = median(times[variants[0]])
     rows = [{"variant": v, "update_s": median(t), "min_s": min(t), "max_s": max(t),
-             f"speedup_vs_{variants[0]}": base / median(t)} for v, t in times.items()]
+             f"speedup_vs_{variants[0]}": base / median(t)} | peaks[f"learner {v}"]
+            for v, t in times.items()]
+    phases = [{"phase": k, **m} for k, m in peaks.items() if not k.startswith("learner ")]
     return {"benchmark": "learner precision", "model": model, "rows": batch.num_rows,
             "tokens": int(batch.attention_mask.sum()),
             "response_tokens": int(batch.loss_mask.sum()), "reps": reps,
             "threads": torch.get_num_threads(), "device": device, "variants": rows,
-            "per_rep": times}
+            "phases": phases, "reward_mean": reward, "per_rep": times}

@@ -16,6 +16,12 @@ Rows whose advantage is 0 everywhere contribute exactly nothing to a loss declar
 its normalisers (token and sequence counts of the whole batch), and a step where every row is
 skipped still steps the optimizer on zero gradients, so the update is the same as without the
 skip (up to float summation order).
+
+Memory: the output layer's log-probs are computed in chunks (learner/logprobs.py); with
+`activation_checkpointing` each decoder layer keeps only its input and recomputes the rest
+in the backward pass (about a third more compute; prompts are then not shared, since the
+recomputation cannot replay a key/value cache); `memory_budget_mb` caps the micro-batch
+and the log-prob chunk so that the activations fit (learner/memory.py).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from rollwise.algos import aggregate, is_zero_at_zero_advantage
 from rollwise.learner.batch import micro_batches, take_rows
 from rollwise.learner.logprobs import token_logprobs
+from rollwise.learner.memory import enable_checkpointing, fit_budget
 from rollwise.types import Batch
 
 
@@ -43,17 +50,25 @@ class Learner:
                  kl_fn: Callable | None = None, kl_coef: float = 0.0, ppo_epochs: int = 1,
                  kl_in_reward: bool = False, entropy_coef: float = 0.0,
                  correction_fn: Callable | None = None, correction_options: dict | None = None,
-                 skip_zero_advantage: bool = True, share_prompts: bool = True):
+                 skip_zero_advantage: bool = True, share_prompts: bool = True,
+                 activation_checkpointing: bool = False, memory_budget_mb: float = 0.0):
         """`share_prompts`: rows with the same prompt run it once per micro-batch (the
-        same log-probs and gradients; learner/logprobs.py)."""
+        same log-probs and gradients; learner/logprobs.py). `activation_checkpointing` and
+        `memory_budget_mb` (0: none): the module docstring."""
         self.model = model
-        self.share_prompts = share_prompts
+        if activation_checkpointing:
+            enable_checkpointing(model)
+        self.share_prompts = share_prompts and not activation_checkpointing
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas,
                                            weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps))
+        if memory_budget_mb > 0:
+            micro_batch_tokens, logprob_chunk = fit_budget(
+                model, memory_budget_mb, precision=precision, checkpointing=activation_checkpointing,
+                micro_batch_tokens=micro_batch_tokens, logprob_chunk=logprob_chunk)
         self.grad_clip, self.micro_batch_tokens = grad_clip, micro_batch_tokens
         self.logprob_chunk, self.precision, self.temperature = logprob_chunk, precision, temperature
         self.kl_fn, self.kl_coef, self.ppo_epochs = kl_fn, kl_coef, ppo_epochs
