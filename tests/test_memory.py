@@ -130,3 +130,52 @@ def test_state_of_full_and_lora_training(tiny_llama) -> None:
         {"weights_mb": size, "grads_mb": size, "adamw_mb": 2 * size})
     model.requires_grad_(False)
     assert memory.state_mb(model)["adamw_mb"] == 0
+
+
+# -- bigger models: rollwise bench memory ------------------------------------------------------
+
+TINY_SHAPE = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 256}
+
+
+def test_bench_memory_full_and_lora(tmp_path) -> None:
+    import json
+
+    from rollwise.bench import memory as bm
+
+    (tmp_path / "mini.json").write_text(json.dumps(TINY_SHAPE))
+    full, lora = (bm.case("mini", kind, shapes_dir=str(tmp_path), prompt_len=8, response_len=8)
+                  for kind in ("full", "lora"))
+    assert full["trained_m"] == pytest.approx(full["params_m"])
+    assert 0 < lora["trained_m"] < 0.2 * lora["params_m"]  # adapters only
+    assert lora["adamw_mb"] < 0.2 * full["adamw_mb"]
+    assert full["tokens"] == 2 * 4 * 16 and full["update_s"] > 0
+    assert full["peak_rss_mb"] >= full["built_rss_mb"] > 0
+    # each case of `run` is a process of its own; one that fails is a row with its error
+    missing = bm.run(("no-such-shape",), ("full",), shapes_dir=str(tmp_path))["rows"][0]
+    assert "no-such-shape" in missing["error"]
+
+
+def _shape_case(shape: str, kind: str) -> dict:
+    from rollwise.bench import memory as bm
+
+    row = bm.run((shape,), (kind,), threads=2)["rows"][0]
+    assert "error" not in row, row
+    return row
+
+
+@pytest.mark.slow
+def test_a_half_billion_qwen2_trains_full_within_12_gb() -> None:
+    """Qwen2.5-0.5B's shape, random init, full fine-tuning with AdamW: two updates."""
+    row = _shape_case("qwen2-0.5b", "full")
+    assert 400 < row["params_m"] < 600 and row["trained_m"] == pytest.approx(row["params_m"])
+    assert row["peak_rss_mb"] < 12 * 1024
+
+
+@pytest.mark.slow
+def test_a_one_and_a_half_billion_qwen2_trains_lora_within_12_gb() -> None:
+    """Qwen2.5-1.5B's shape, random init, LoRA rank 16 on every projection: two updates."""
+    row = _shape_case("qwen2-1.5b", "lora")
+    assert 1400 < row["params_m"] < 1700 and row["trained_m"] < 0.02 * row["params_m"]
+    assert row["peak_rss_mb"] < 12 * 1024

@@ -397,6 +397,43 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
         typer.echo(f"wrote {json} and {page}")
 
 
+@bench_app.command("memory")
+def memory(json: JsonOpt = None,
+           shape: Annotated[list[str] | None, typer.Option(
+               help="Model shapes of configs/shapes (repeatable; default smollm2-135m, "
+               "qwen2-0.5b, qwen2-1.5b).")] = None,
+           kind: Annotated[list[str] | None, typer.Option(
+               help="full and/or lora (repeatable; default both).")] = None,
+           precision: Annotated[str, typer.Option(
+               help="Learner precision: float32 or bf16-autocast.")] = "float32",
+           checkpointing: Annotated[bool, typer.Option(
+               help="learner.activation_checkpointing.")] = False,
+           response_len: Annotated[int, typer.Option(help="Response tokens per row.")] = 64,
+           steps: Annotated[int, typer.Option(help="Updates per case (>= 2).")] = 2,
+           threads: ThreadsOpt = 0):
+    """Peak resident set and update time of random-init models of real shapes, full
+    fine-tuning and LoRA, each case in its own process."""
+    from rollwise.bench import memory as bm
+    from rollwise.runtime import configure
+
+    threads = configure(threads)
+    bad = [k for k in kind or [] if k not in ("full", "lora")]
+    if bad:
+        raise typer.BadParameter(f"unknown kind(s) {bad}; known: full, lora")
+    data = bm.run(tuple(shape or ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b")),
+                  tuple(kind or ("full", "lora")), progress=_say, precision=precision,
+                  checkpointing=checkpointing, response_len=response_len, steps=steps,
+                  threads=threads)
+    for row in data["rows"]:
+        row["peak_rss_gib"] = row["peak_rss_mb"] / 1024 if "peak_rss_mb" in row else None
+    print_table(f"learner memory: {precision}, {threads} threads", data["rows"],
+                ["shape", "kind", "params_m", "trained_m", "tokens", "peak_rss_gib",
+                 "weights_mb", "grads_mb", "adamw_mb", "update_s", "error"])
+    page = write_results(data, json)
+    if page:
+        typer.echo(f"wrote {json} and {page}")
+
+
 @bench_app.command("serve")
 def serve(model: ModelOpt = "tiny", json: JsonOpt = None,
           prompts: Annotated[int, typer.Option(help="Prompts per side and repetition.")] = 32,

@@ -189,7 +189,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if plan is not None:
         h, targets, where = _hidden_shared(decoder, input_ids, attention_mask, loss_mask, plan)
     else:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # no key/value cache: nothing reads it, and it would hold every layer's keys and values
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
+                         use_cache=False).last_hidden_state
         select = loss_mask[:, 1:].bool()  # [N, L-1] positions t-1 predicting response token t
         h = hidden[:, :-1][select]  # [M, H]
         targets = input_ids[:, 1:][select]  # [M]
