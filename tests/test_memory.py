@@ -19,6 +19,7 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc i
 def test_peaks_are_per_interval_not_per_process() -> None:
     """A 400 MiB tensor freed inside a block shows in that block's peak and the step's, but
     not in the next step's (the kernel's high-water mark is reset at each reading)."""
+    runtime.trim_heap()  # freed memory an earlier test left resident would be reused unseen
     runtime.device_memory()
     with runtime.rss_peak() as quiet:
         pass
@@ -26,6 +27,7 @@ def test_peaks_are_per_interval_not_per_process() -> None:
         x = torch.ones(100 * 2**20)  # 400 MiB, touched
         del x
     assert busy["mb"] > quiet["mb"] + 350
+    runtime.trim_heap()  # what tune_allocator keeps resident for reuse is given back
     step = runtime.device_memory()["peak_rss_mb"]
     assert step >= busy["mb"] - 1
     assert runtime.device_memory()["peak_rss_mb"] < busy["mb"] - 350
@@ -34,10 +36,12 @@ def test_peaks_are_per_interval_not_per_process() -> None:
 
 @linux
 def test_step_timer_records_each_phase_peak() -> None:
+    runtime.trim_heap()
     timer = StepTimer()
     with timer("rollout"):
         x = torch.ones(50 * 2**20)  # 200 MiB
         del x
+        runtime.trim_heap()
     with timer("train"):
         pass
     assert timer.peaks["rollout"] > timer.peaks["train"] + 150
@@ -179,3 +183,32 @@ def test_a_one_and_a_half_billion_qwen2_trains_lora_within_12_gb() -> None:
     row = _shape_case("qwen2-1.5b", "lora")
     assert 1400 < row["params_m"] < 1700 and row["trained_m"] < 0.02 * row["params_m"]
     assert row["peak_rss_mb"] < 12 * 1024
+
+
+def test_reference_copy_in_bfloat16_gives_the_same_kl_under_autocast(tiny_llama) -> None:
+    """Full fine-tuning with a KL term keeps a frozen reference; under bf16-autocast its
+    linear layers are stored in bfloat16 (autocast rounds them so at every product): the
+    reference log-probs are bitwise those of a float32 copy."""
+    import copy
+
+    from rollwise.algos import kl_estimators
+    from rollwise.learner import memory, token_logprobs
+
+    model = tiny_llama()
+    model.model.layers[0].mlp.down_proj.weight.data.normal_()  # weights that round visibly
+    small = memory.reference_copy(model, "bf16-autocast")
+    full = copy.deepcopy(model).eval().requires_grad_(False)
+    assert small.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert small.model.embed_tokens.weight.dtype == torch.float32  # tied to the output layer
+    assert memory.reference_copy(model, "float32").model.layers[0].mlp.down_proj.weight.dtype \
+        == torch.float32
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 88, (3, 9), generator=gen)
+    attn, mask = torch.ones_like(ids), torch.zeros(3, 9)
+    mask[:, 4:] = 1
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        a = token_logprobs(small, ids, attn, mask, chunk=4)
+        b = token_logprobs(full, ids, attn, mask, chunk=4)
+    assert torch.equal(a, b)
+    learner = _learner(model, kl_coef=0.1, precision="bf16-autocast", kl_fn=kl_estimators["k3"])
+    assert learner.ref_model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16

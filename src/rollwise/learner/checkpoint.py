@@ -49,7 +49,12 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """
     if isinstance(tree, torch.Tensor):
         name = f"t{len(tensors)}"
-        tensors[name] = tree.detach().cpu().contiguous().clone()
+        # no copy of a CPU tensor: written at once, and a copy of AdamW's moments would
+        # double their memory at every checkpoint (the run's peak, at its end)
+        tensor = tree.detach().cpu().contiguous()
+        # a view of a larger storage is copied: safetensors writes whole, unshared storages
+        tensors[name] = tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes \
+            else tensor
         return {"__tensor__": name}
     if isinstance(tree, np.ndarray):
         return {"__ndarray__": tree.tolist(), "dtype": str(tree.dtype)}

@@ -3,7 +3,8 @@
 A single on-policy update per batch uses the engine's behaviour log-probs as the old
 log-probs, so no extra forward pass is spent recomputing them. The reference policy is only
 evaluated when the KL coefficient is positive: with LoRA it is the base model with the
-adapters disabled, otherwise a frozen copy made at start.
+adapters disabled, otherwise a frozen copy made at start (its linear layers in bfloat16 under
+bf16-autocast, where the products are bfloat16 anyway: learner/memory.py).
 
 With an off-policy correction (TIS/MIS, `correction_fn`), the learner first recomputes the
 old log-probs with its own weights (one extra forward pass, no gradient): the PPO ratio is
@@ -27,7 +28,6 @@ and the log-prob chunk so that the activations fit (learner/memory.py).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -37,7 +37,7 @@ import torch
 from rollwise.algos import aggregate, is_zero_at_zero_advantage
 from rollwise.learner.batch import micro_batches, take_rows
 from rollwise.learner.logprobs import token_logprobs
-from rollwise.learner.memory import enable_checkpointing, fit_budget
+from rollwise.learner.memory import enable_checkpointing, fit_budget, reference_copy
 from rollwise.types import Batch
 
 
@@ -81,7 +81,7 @@ class Learner:
         self.rows_skipped = 0  # zero-advantage rows not run through the model, all steps
         self.ref_model = None
         if kl_coef > 0 and not hasattr(model, "disable_adapter"):
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            self.ref_model = reference_copy(model, precision)
         self.nan_skips = 0  # updates skipped for a non-finite loss or gradient
         self.device = self.params[0].device
 

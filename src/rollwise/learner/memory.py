@@ -18,6 +18,10 @@ estimate to size micro-batches with, not a guarantee.
 
 from __future__ import annotations
 
+import copy
+
+import torch
+
 ACT_HIDDEN = {"float32": 32.0, "bf16-autocast": 28.0}  # bytes per hidden unit, token, layer
 ACT_MLP = {"float32": 22.0, "bf16-autocast": 19.0}  # bytes per MLP unit, token, layer
 CKPT_BYTES = 4.0  # bytes per hidden unit, token and layer kept with checkpointing
@@ -82,3 +86,18 @@ def enable_checkpointing(model) -> None:
 def checkpointing_enabled(model) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return bool(getattr(base, "is_gradient_checkpointing", False))
+
+
+def reference_copy(model, precision: str):
+    """A frozen copy of `model`, the reference policy of the KL term in full fine-tuning.
+    Under bf16-autocast its linear layers are kept in bfloat16: autocast casts them to
+    bfloat16 at every product anyway (the same rounding), so the reference log-probs are
+    those of a float32 copy, from about half the memory. A weight tied to the input
+    embedding stays as it is (the embedding lookup is not autocast)."""
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if precision == "bf16-autocast":
+        embedding = ref.get_input_embeddings().weight
+        for module in ref.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+                module.to(torch.bfloat16)
+    return ref
