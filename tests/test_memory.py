@@ -143,7 +143,7 @@ TINY_SHAPE = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128
               "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 256}
 
 
-def test_bench_memory_full_and_lora(tmp_path) -> None:
+def test_bench_memory_full_and_lora(tmp_path, monkeypatch) -> None:
     import json
 
     from rollwise.bench import memory as bm
@@ -159,6 +159,11 @@ def test_bench_memory_full_and_lora(tmp_path) -> None:
     # each case of `run` is a process of its own; one that fails is a row with its error
     missing = bm.run(("no-such-shape",), ("full",), shapes_dir=str(tmp_path))["rows"][0]
     assert "no-such-shape" in missing["error"]
+    # a full fine-tune that cannot fit the memory available is not started
+    assert bm.params_of("mini", tmp_path) == pytest.approx(full["params_m"] * 1e6)
+    monkeypatch.setattr(bm, "_available_mb", lambda: 0.01)
+    row = bm.run(("mini",), ("full",), shapes_dir=str(tmp_path))["rows"][0]
+    assert row["error"].startswith("not run: needs over")
 
 
 def _shape_case(shape: str, kind: str) -> dict:

@@ -93,15 +93,44 @@ def case(shape: str, kind: str, *, steps: int = 2, prompts: int = 2, group: int 
             "update_s": statistics.median(times[1:] or times), "first_update_s": times[0]}
 
 
+def params_of(shape: str, shapes_dir: Path = SHAPES_DIR) -> int:
+    """Parameters of a shape, counted on the meta device (nothing allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**json.loads((shapes_dir / f"{shape}.json").read_text()))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _available_mb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
 def run(shapes: tuple[str, ...] = ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b"),
         kinds: tuple[str, ...] = ("full", "lora"), *, timeout_s: float = 1800,
         progress=None, **options) -> dict[str, Any]:
     """Every shape x kind, each in its own process (`case`); a case that fails or runs out
-    of time is a row with its error."""
+    of time is a row with its error. A full fine-tune whose float32 weights, gradients and
+    AdamW moments (16 bytes a parameter) alone exceed the memory available now is not
+    started (a 1.5B model needs 24 GB for them): its row says so."""
     rows = []
+    shapes_dir = Path(options.get("shapes_dir", SHAPES_DIR))
     for shape in shapes:
         for kind in kinds:
             args = json.dumps({"shape": shape, "kind": kind, **options})
+            need = 16 * params_of(shape, shapes_dir) / 2**20 if kind == "full" and (
+                shapes_dir / f"{shape}.json").is_file() else 0.0
+            if need > _available_mb():
+                rows.append({"shape": shape, "kind": kind, "error": f"not run: needs over "
+                             f"{need / 1024:.0f} GiB, {_available_mb() / 1024:.0f} available"})
+                continue
             try:
                 out = subprocess.run([sys.executable, "-m", "rollwise.bench.memory", args],
                                      capture_output=True, text=True, timeout=timeout_s,
