@@ -237,3 +237,27 @@ def test_cuda_picks_bfloat16_where_the_device_supports_it(monkeypatch, bf16) -> 
     got = P.resolve("auto", "auto", "auto", shapes=SHAPES, device="cuda")
     want = ("bfloat16", "bf16-autocast", "tis") if bf16 else ("float32", "float32", "none")
     assert (got.rollout, got.learner, got.correction) == want
+
+
+def test_bench_probe_measures_again_and_replaces_the_entry(tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from rollwise.bench.cli import bench_app
+
+    monkeypatch.setenv("ROLLWISE_CACHE", str(tmp_path))
+    monkeypatch.delenv("ROLLWISE_REPROBE", raising=False)
+    calls = []
+
+    def measure(shapes, budget_s):
+        calls.append(shapes)
+        return ({"float32": 100.0, "bfloat16": 2.0, "int8": 160.0},
+                {"float32": 100.0, "bf16-autocast": 1.0})
+
+    monkeypatch.setattr(P, "_measure", measure)
+    for _ in range(2):  # the second run measures again although the first cached its result
+        out = CliRunner().invoke(bench_app, ["probe", "--model", "tiny", "--threads", "1"])
+        assert out.exit_code == 0, out.output
+        assert "[probed in" in out.output and "2 passes]" in out.output
+        assert "rollout float32 (auto)" in out.output  # the tiny model is narrower than 512
+    assert len(calls) == 4
+    assert P.probe(calls[0], threads=1).cached

@@ -287,10 +287,10 @@ def _agree(a: Probe, b: Probe) -> bool:
 
 
 def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 0.6,
-          use_cache: bool = True) -> Probe:
+          use_cache: bool = True, fresh: bool = False) -> Probe:
     """Measure (or read from the cache) this CPU's speed per precision on `shapes`: two
     passes, a third when they disagree (module docstring); only a consistent result is
-    cached. `ROLLWISE_REPROBE=1` ignores a cached entry (and replaces it)."""
+    cached. `fresh` or `ROLLWISE_REPROBE=1`: a cached entry is ignored (and replaced)."""
     threads = threads or torch.get_num_threads()
     flags = cpu_flags()
     isa = torch.backends.cpu.get_cpu_capability()
@@ -300,7 +300,7 @@ def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 
     key = {"cpu": cpu_name(), "flags": relevant, "isa": isa, "caps": caps,
            "torch": torch.__version__, "threads": threads, "shapes": asdict(shapes), "v": 2}
     path = _cache_path(key)  # v2: entries of single-pass probes (v1) are measured again
-    if use_cache and path.is_file() and not os.environ.get("ROLLWISE_REPROBE"):
+    if use_cache and path.is_file() and not (fresh or os.environ.get("ROLLWISE_REPROBE")):
         try:
             data = json.loads(path.read_text())
             return Probe(**data | {"cached": True})

@@ -56,7 +56,7 @@ def _cpu_times() -> dict[int, tuple[int, int]]:
     return out
 
 
-def free_cores(sample_s: float = 0.25) -> int:
+def free_cores(sample_s: float = 0.1) -> int:
     """Cores this process may run on that other work is not using now: a core counts when
     it was at least half idle over `sample_s` (/proc/stat). At least 1; every allowed core
     where /proc/stat cannot be read (macOS). A busy neighbour on one of two cores makes this

@@ -434,6 +434,26 @@ def memory(json: JsonOpt = None,
         typer.echo(f"wrote {json} and {page}")
 
 
+@bench_app.command("probe")
+def probe(model: Annotated[str, typer.Option(help="A model name or folder: its shapes are "
+                                             "timed.")] = "smollm2-135m",
+          threads: ThreadsOpt = 0):
+    """Measure this CPU's speed per precision again on a model's shapes, replace the cached
+    probe, and print what `auto` picks (docs/precision.md)."""
+    from rollwise import precision as P
+    from rollwise.models import load_policy
+    from rollwise.runtime import configure
+
+    threads = configure(threads)
+    shapes = P.ModelShapes.of(load_policy(model).model)
+    found = P.probe(shapes, threads=threads, fresh=True)
+    rollout, learner = P.choose(found) if shapes.hidden >= P.MIN_HIDDEN else (
+        "float32", "float32")  # as `auto` decides for narrow models
+    auto = {"rollout": "auto", "learner": "auto", "correction": "auto"}
+    typer.echo(P.PrecisionChoice(rollout, learner, P.default_correction(rollout, learner), auto,
+                                 found).line())
+
+
 @bench_app.command("serve")
 def serve(model: ModelOpt = "tiny", json: JsonOpt = None,
           prompts: Annotated[int, typer.Option(help="Prompts per side and repetition.")] = 32,
