@@ -20,8 +20,9 @@ skip (up to float summation order).
 
 Memory: the output layer's log-probs are computed in chunks (learner/logprobs.py); with
 `activation_checkpointing` each decoder layer keeps only its input and recomputes the rest
-in the backward pass (about a third more compute; prompts are then not shared, since the
-recomputation cannot replay a key/value cache); `memory_budget_mb` caps the micro-batch
+in the backward pass (one more forward pass of the decoder, and prompts are then not shared,
+since a recomputed layer cannot replay a key/value cache: 1.6-2x the quickstart's learner
+time, docs/performance.md); `memory_budget_mb` caps the micro-batch
 and the log-prob chunk so that the activations fit (learner/memory.py).
 """
 

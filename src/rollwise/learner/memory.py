@@ -83,11 +83,6 @@ def enable_checkpointing(model) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def checkpointing_enabled(model) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return bool(getattr(base, "is_gradient_checkpointing", False))
-
-
 def reference_copy(model, precision: str):
     """A frozen copy of `model`, the reference policy of the KL term in full fine-tuning.
     Under bf16-autocast its linear layers are kept in bfloat16: autocast casts them to
