@@ -37,7 +37,9 @@ VARIANTS = {
     "partial_reuse": ["rollout.strategy='partial'", "rollout.spec_reuse=true"],
     "dynamic": ["control.allocator='dynamic'"],
 }
-TIMING = ("time_", "wall_time", "_per_s", "seconds", "makespan", "tail_s", "eta")
+# measurements of this machine, not arithmetic: times, and the process's memory peaks
+TIMING = ("time_", "wall_time", "_per_s", "seconds", "makespan", "tail_s", "eta", "peak_rss_",
+          "cuda_max_allocated")
 
 
 def _run(tmp_path: Path, extra: list[str], config: Path = CONFIG) -> list[dict]:
