@@ -77,6 +77,17 @@ def test_sample_on_device_matches_sample_tokens() -> None:
         assert float(lp[i]) == float(want_lp[0])
 
 
+@pytest.mark.parametrize("kind,temp", [("plain", 1.0), ("greedy", 0.0)])
+def test_uniform_batches_take_the_short_draw_with_the_same_result(kind, temp) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 200, generator=gen) * 3
+    u = uniforms([1, 2, 3, 4, 5], [0, 1, 2, 3, 4])
+    temps = torch.full((5,), temp, dtype=torch.float64)
+    short = sample_on_device(logits, temps, u, kind)
+    full = sample_on_device(logits, temps, u, "scaled")
+    assert torch.equal(short[0], full[0]) and torch.equal(short[1], full[1])
+
+
 def test_row_buckets_cover_every_batch_with_little_padding() -> None:
     for n in range(1, 300):
         b = row_bucket(n)

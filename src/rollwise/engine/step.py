@@ -56,7 +56,8 @@ class StepShape:
     per_group: int  # nmax: rows per group in the group layout
     prefix: int  # P: prompt keys read per group
     own: int  # S: own keys read per row
-    sample: bool  # draw on the device (else return logits)
+    sample: str  # the draw on the device: "greedy", "plain" (temperature 1 everywhere),
+    # "scaled" (per-row temperatures, greedy rows among them), or "" (return the logits)
 
 
 def row_bucket(n: int) -> int:
@@ -67,18 +68,26 @@ def row_bucket(n: int) -> int:
     return -(-n // 8) * 8 if n <= 32 else -(-n // 32) * 32
 
 
-def sample_on_device(logits: torch.Tensor, temperature: torch.Tensor,
-                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_on_device(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                     kind: str = "scaled") -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], log-probs [B]) of `logits` [B, V] float32 under per-row temperatures
     [B] (0: greedy) with uniforms u [B]; value for value what `sampling.sample_tokens` gives
-    each row (x / 1.0 is x, so a temperature-1 row is unchanged by the division)."""
+    each row (x / 1.0 is x, so a temperature-1 row is unchanged by the division). `kind`
+    "greedy" or "plain" (every row greedy, or every row at temperature 1) skips the work
+    the batch does not need."""
+    if kind == "plain":
+        probs = torch.softmax(logits, -1)
+        tokens = inverse_cdf(probs, u)
+        return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
+    best = logits.argmax(-1)
+    lp_best = logits.gather(-1, best[:, None])[:, 0] - torch.logsumexp(logits, -1)
+    if kind == "greedy":
+        return best, lp_best
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
     probs = torch.softmax(logits / scale[:, None], -1)
     sampled = inverse_cdf(probs, u)
     lp_sampled = probs.gather(-1, sampled[:, None])[:, 0].log()
-    best = logits.argmax(-1)
-    lp_best = logits.gather(-1, best[:, None])[:, 0] - torch.logsumexp(logits, -1)
     return torch.where(greedy, best, sampled), torch.where(greedy, lp_best, lp_sampled)
 
 
@@ -136,7 +145,7 @@ class DecodeStep:
         floats = torch.ones(2, rows, dtype=torch.float64)
         floats[0, :n], floats[1, :n] = u, temps
         shape = StepShape(rows, groups, nmax, max(max(plen[:n]), self.floor),
-                          max(max(own[:n]) + 1, self.floor), all(r.params.top_k == 0 and r.params.top_p >= 1.0 for r in reqs))
+                          max(max(own[:n]) + 1, self.floor), _sampling(reqs))
         return ints, floats, shape
 
     def __call__(self, reqs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -152,7 +161,7 @@ class DecodeStep:
         if self.bucketed:
             shape = StepShape(rows, shape.groups, shape.per_group, cache.pk[0].shape[2],
                               cache.rk[0].shape[2], shape.sample)
-        if self.mode == "graph" and shape.sample:
+        if self.mode == "graph" and shape.sample:  # truncated sampling runs uncaptured
             out = self._replay(shape, ints, floats)
         else:
             dev = self.decoder.device
@@ -203,7 +212,7 @@ class DecodeStep:
         logits = d.logits(x[:, 0])
         if not shape.sample:
             return logits
-        tokens, logprobs = sample_on_device(logits, floats[1], floats[0])
+        tokens, logprobs = sample_on_device(logits, floats[1], floats[0], shape.sample)
         return torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
 
     # -- capture ---------------------------------------------------------------------------
@@ -253,6 +262,16 @@ class DecodeStep:
 
             self._compiled = torch.compile(flat, dynamic=True)
         return self._compiled
+
+
+def _sampling(reqs) -> str:
+    """The device draw these requests need (StepShape.sample)."""
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
+        return ""
+    temps = {float(r.params.temperature) for r in reqs}
+    if temps == {0.0}:
+        return "greedy"
+    return "plain" if temps == {1.0} else "scaled"
 
 
 def _to_groups(t: torch.Tensor, put: torch.Tensor, place: torch.Tensor, groups: int,
