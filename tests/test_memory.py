@@ -169,7 +169,7 @@ def test_bench_memory_full_and_lora(tmp_path, monkeypatch) -> None:
 def _shape_case(shape: str, kind: str) -> dict:
     from rollwise.bench import memory as bm
 
-    row = bm.run((shape,), (kind,), threads=2)["rows"][0]
+    row = bm.run((shape,), (kind,), threads=runtime.free_cores())["rows"][0]
     assert "error" not in row, row
     return row
 
