@@ -215,3 +215,16 @@ def test_compiled_step_equals_eager(model) -> None:
     got, _ = _run(model, "compile", torch.device("cpu"), submits, steps_before_abort=3,
                   abort=(2,))
     _same(ref, got, 1e-4)
+
+
+@pytest.mark.precision
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_static_step_equals_chunk_pass_in_converted_precisions(model, dtype) -> None:
+    """bfloat16 and int8 engines (converted weights, fused projections; int8's kernel
+    differs under the AVX2 cap, which `make test` also runs): the eager step computes the
+    chunk pass's products on the same shapes, so tokens and log-probs are identical."""
+    submits = [(p, SamplingParams(temperature=1.0, max_tokens=16), 5 * i + k)
+               for i, p in enumerate(PROMPTS) for k in range(3)]
+    ref, _ = _run(model, "rows", torch.device("cpu"), submits, dtype=dtype)
+    got, _ = _run(model, "eager", torch.device("cpu"), submits, dtype=dtype)
+    _same(ref, got, 0.0)
