@@ -58,6 +58,10 @@ def test_training_raises_reward_and_changes_parameters(tmp_path):
         assert (run_dir(cfg) / name).is_file()
     saved = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert saved["eval_after"]["accuracy"] == acc_after and saved["train_seconds"] > 0
+    # memory: each step's peak resident set and its phases', the run's in the summary
+    steps = [r for r in records if r["kind"] == "train"]
+    assert all(r["peak_rss_mb"] >= r["peak_rss_train_mb"] > 0 for r in steps)
+    assert saved["peak_rss_mb"] >= max(r["peak_rss_mb"] for r in steps)
     assert load_config(run_dir(cfg) / "config.toml") == cfg  # the resolved config
 
 
