@@ -264,9 +264,12 @@ class Decoder:
         start = time.perf_counter()
         pack = (self.dtype == torch.bfloat16 and self.device.type == "cpu"
                 and torch.backends.mkldnn.is_available())
-        tensors = {m: m.weight.detach().to(self.device, self.dtype) for m in self._plain()}
+        # each tensor replaces (or is written into) the one it follows before the next is
+        # made: a publication holds at most one projection twice, not the whole model
+        for m in self._plain():
+            self._tensors[m] = _into(self._tensors.get(m),
+                                     m.weight.detach().to(self.device, self.dtype))
         amax = self._input_ranges() if self.int8 else {}
-        linears: dict[nn.Module | tuple, _Dense | _Int8Dense] = {}
         for mods in self._groups():
             ws = [_effective_weight(m) for m in mods]
             bs = [getattr(m, "bias", None) for m in mods]
@@ -280,12 +283,10 @@ class Decoder:
                 dense = _Int8Dense(w, b, smooth)
             else:
                 dense = _Dense(w, b, pack=pack)
-            linears[mods if len(mods) > 1 else mods[0]] = dense
+            key = mods if len(mods) > 1 else mods[0]
+            # written into the tensors already held: captured graphs read those
+            self._linears[key] = _into_dense(self._linears.get(key), dense)
             self._sizes[mods] = [x.shape[0] for x in ws]
-        if self._linears:  # written into the tensors already held: captured graphs read them
-            tensors = {m: _into(self._tensors.get(m), t) for m, t in tensors.items()}
-            linears = {k: _into_dense(self._linears.get(k), x) for k, x in linears.items()}
-        self._tensors, self._linears = tensors, linears
         return time.perf_counter() - start
 
     def _int8_inputs(self) -> list[nn.Module]:
