@@ -20,7 +20,7 @@ from rollwise.types import Group, Sample
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 # wall-clock figures and the asynchronous driver's own fields differ by construction
 TIMING = ("time", "seconds", "_per_s", "makespan", "tail_s",
-          "publish", "eta")
+          "publish", "eta", "peak_rss", "cuda_max_allocated")  # memory peaks: machine figures
 
 
 def small(tmp_path: Path, *extra: str):

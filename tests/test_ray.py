@@ -26,7 +26,7 @@ pytestmark = pytest.mark.ray
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 TIMING = ("time", "seconds", "_per_s", "makespan", "tail_s",
-          "publish", "eta")
+          "publish", "eta", "peak_rss", "cuda_max_allocated")  # memory peaks: machine figures
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -40,7 +40,7 @@ from rollwise.types import Sample, Trajectory
 
 # metric names holding wall-clock figures, or the process's memory (peak_rss_mb: a resumed
 # process has its own history, and a fork inherits its parent's)
-VOLATILE = ("time", "seconds", "per_s", "peak_rss")
+VOLATILE = ("time", "seconds", "per_s", "peak_rss", "cuda_max_allocated")
 
 
 def short_answer(completion: str, sample: Sample) -> float:
