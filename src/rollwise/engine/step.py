@@ -7,8 +7,7 @@ Python-level per-layer planning:
 - inputs are two small tensors made on the host in one pass over the rows and copied to the
   device once: `ints` [6, B] (input token, own tokens cached = the write position, prompt
   length, the row's group for the scatter, its place among the group's rows, its group
-  for the gather) and
-  `floats` [2, B] (the row's uniform for its draw and its temperature);
+  for the gather) and `floats` [2, B] (the row's uniform for its draw and its temperature);
 - positions, rotary factors and the attention mask are computed on the device from those;
 - keys and values are written in place into the preallocated cache (`KVCache`: rows
   0..B-1, positions `own`), then attention reads fixed-size views of the cache: each row's
@@ -18,14 +17,15 @@ Python-level per-layer planning:
   CDF at the row's counter-based uniform, exactly as `sampling.sample_tokens`), and the
   result comes back as one [2, B] tensor (ids and log-probs): one device-to-host copy.
 
-Three ways to run it (`DecodeStep.mode`):
+Ways to run it (`DecodeStep.mode`; `padded` and `rows` serve tests and benchmarks):
 - `eager`: the sizes are the exact ones of this step (B rows, the longest prompt and own
   length); nothing is padded, so the arithmetic is that of a plain forward pass;
 - `graph` (CUDA): sizes are bucketed (B up to the next bucket, G/P/S the cache's capacities,
   nmax to a power of two) and each bucket's function is captured once as a CUDA graph and
   replayed; padded rows write into unused cache rows at position 0 and are never read;
-- `compile` (opt-in, `torch.compile` with inductor, CPU or GPU): the bucketed function
-  compiled once per bucket (compilation takes tens of seconds per bucket on a CPU).
+- `compile` (opt-in, `torch.compile` with inductor, CPU or GPU): the exact-size function
+  compiled once with symbolic sizes (no size may be 1, so small ones are padded to 2);
+  about a minute of compilation on a 2-core CPU serves every batch.
 
 A captured graph reads the cache tensors and the converted weights at fixed addresses:
 graphs are dropped when the cache is reallocated (`KVCache.epoch`) and converted weights are
@@ -95,8 +95,9 @@ class DecodeStep:
     def __init__(self, decoder, cache: KVCache, mode: str = "auto"):
         """`mode`: eager, graph (CUDA graphs; CUDA only), compile (torch.compile), auto
         (graph on CUDA, eager elsewhere), padded (the graph's bucketed shapes run eagerly:
-        how the CPU tests check what a graph replays), or rows: no static step, every decode goes through
-        the general chunk pass `Decoder.forward_rows` (the comparison in `bench rollout`)."""
+        how the CPU tests check what a graph replays), or rows: no static step, every
+        decode goes through the general chunk pass `Decoder.forward_rows` (the comparison
+        in `bench rollout`)."""
         if mode not in MODES:
             raise ValueError(f"decode step mode '{mode}' is not one of {', '.join(MODES)}")
         cuda = decoder.device.type == "cuda"
@@ -119,7 +120,7 @@ class DecodeStep:
     # -- the host side: one pass over the rows ---------------------------------------------
 
     def inputs(self, reqs, rows: int) -> tuple[torch.Tensor, torch.Tensor, StepShape]:
-        """The step's `ints` [5, rows] and `floats` [2, rows] for requests `reqs` in rows
+        """The step's `ints` [6, rows] and `floats` [2, rows] for requests `reqs` in rows
         0..len(reqs)-1 (rows beyond are padding), and the exact sizes."""
         n = len(reqs)
         seen: dict[int, int] = {}
