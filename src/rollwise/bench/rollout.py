@@ -196,18 +196,9 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
     rows, ratios = [], []
     for w in workloads:
         prompt_ids, params = specs[w]
-        runs: dict[str, list[dict]] = {s: [] for s in sides}
-        for rep in range(reps):
-            for side in sides[rep % len(sides):] + sides[: rep % len(sides)]:
-                if side == "hf":
-                    result = _run_hf(hf, prompt_ids, replace(params, seed=seed + rep))
-                else:
-                    result = _run_native(natives[side][2], prompt_ids,
-                                         replace(params, seed=seed + rep))
-                runs[side].append(result)
-                if progress:
-                    progress(f"{w} rep {rep + 1}/{reps} {side}: "
-                             f"{result['generated_tokens'] / result['wall_s']:.0f} tok/s")
+        engines = {"hf": hf} | {side: e for side, (_, _, e) in natives.items()}
+        runs = _alternate(engines, sides, prompt_ids, params, reps, seed,
+                          lambda msg, w=w: progress and progress(f"{w} {msg}"))
         if baseline:
             rows.append(_summarise("hf", w, runs["hf"], params_count, peaks["float32"]))
         for side, (d, m, engine) in natives.items():
@@ -219,19 +210,7 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
                 if not math.isnan(busy):  # measured (GPU)
                     row["device_busy_frac"] = busy
             rows.append(row)
-            ratio = {"workload": w, "engine": side, "dtype": d, "step_mode": m}
-            if baseline:
-                ratio |= _ratio(runs["hf"], runs[side], "native_over_hf_tokens_per_s", "per_rep")
-            base32 = next((s for s, (d2, m2, _) in natives.items()
-                           if d2 == "float32" and m2 == m), None)
-            if base32 and d != "float32":
-                ratio |= _ratio(runs[base32], runs[side], "over_native_float32",
-                                "over_native_float32_per_rep")
-            first = next(s for s, (d2, _, _) in natives.items() if d2 == d)
-            if first != side:
-                ratio |= _ratio(runs[first], runs[side], f"over_{natives[first][1]}_mode",
-                                f"over_{natives[first][1]}_mode_per_rep")
-            ratios.append(ratio)
+            ratios.append({"workload": w} | _side_ratios(side, natives, runs, baseline))
     by_dtype = {d: e for _, (d, _, e) in reversed(natives.items())}  # first mode of each
     return {"benchmark": "rollout", "model": model, "dtypes": list(dtypes), "device": device,
             "auto_dtype": auto, "step_modes": list(step_modes),
@@ -239,6 +218,39 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
             "matmul_peak_gflops": peaks, "results": rows, "ratios": ratios,
             "publish_seconds": {d: e.decoder.refresh() for d, e in by_dtype.items()},
             "checks": _checks(policy, by_dtype, hf, ids[:8])}
+
+
+def _alternate(engines: dict, sides: list[str], prompt_ids, params: SamplingParams, reps: int,
+               seed: int, progress) -> dict[str, list[dict]]:
+    """Each side's results over `reps` repetitions, sides alternating (the first rotates)."""
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    for rep in range(reps):
+        for side in sides[rep % len(sides):] + sides[: rep % len(sides)]:
+            run_side = _run_hf if side == "hf" else _run_native
+            result = run_side(engines[side], prompt_ids, replace(params, seed=seed + rep))
+            runs[side].append(result)
+            progress(f"rep {rep + 1}/{reps} {side}: "
+                     f"{result['generated_tokens'] / result['wall_s']:.0f} tok/s")
+    return runs
+
+
+def _side_ratios(side: str, natives: dict, runs: dict, baseline: bool) -> dict:
+    """A native side's median tokens/s ratios: over `generate`, over the float32 side of
+    the same step mode, and over the first step mode of the same dtype."""
+    d, m, _ = natives[side]
+    out = {"engine": side, "dtype": d, "step_mode": m}
+    if baseline:
+        out |= _ratio(runs["hf"], runs[side], "native_over_hf_tokens_per_s", "per_rep")
+    base32 = next((s for s, (d2, m2, _) in natives.items() if d2 == "float32" and m2 == m),
+                  None)
+    if base32 and d != "float32":
+        out |= _ratio(runs[base32], runs[side], "over_native_float32",
+                      "over_native_float32_per_rep")
+    first = next(s for s, (d2, _, _) in natives.items() if d2 == d)
+    if first != side:
+        mode = natives[first][1]
+        out |= _ratio(runs[first], runs[side], f"over_{mode}_mode", f"over_{mode}_mode_per_rep")
+    return out
 
 
 def _ratio(base: list[dict], side: list[dict], name: str, per_rep_name: str) -> dict:

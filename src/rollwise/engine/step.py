@@ -139,6 +139,7 @@ class DecodeStep:
         own = [r.cached for r in reqs] + [0] * pad
         plen = [len(r.group.tokens) for r in reqs] + [0] * pad
         slots = [r.group.slot for r in reqs]
+        # host tensors on purpose: __call__ copies each to the device once (a graph's inputs)
         ints = torch.tensor([toks, own, plen, slots + [spare] * pad, place + [0] * pad,
                              slots + [0] * pad], dtype=torch.long)
         u = uniforms([r.seed for r in reqs], [len(r.tokens) for r in reqs])
