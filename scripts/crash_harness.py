@@ -4,10 +4,10 @@
         [--set key=value ...] [--workdir /tmp/rollwise-crash] [--user-code]
 
 --user-code: the run also scores with a verifier and a group term (with an option) named
-by import path, as a user's own code is (rollwise.crashtest.USER_CODE).
+by import path, as a user's own code is (rollwise.pipeline.crashtest.USER_CODE).
 
 Exits 0 when every finished run equals the uninterrupted reference (metrics, stored
-trajectories, summary counters), 1 otherwise. See rollwise/crashtest.py for what it does.
+trajectories, summary counters), 1 otherwise. See rollwise/pipeline/crashtest.py for what it does.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollwise.config import load_config
-from rollwise.crashtest import USER_CODE, crash_test
+from rollwise.compose.config import load_config
+from rollwise.pipeline.crashtest import USER_CODE, crash_test
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["run.num_steps=6", "run.threads=1", "run.checkpoint_every=2",

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rollwise.algos import advantage_estimators, policy_losses
-from rollwise.build import build
-from rollwise.config import load_config
-from rollwise.loop import train
-from rollwise.rundir import Run
+from rollwise.pipeline.build import build
+from rollwise.compose.config import load_config
+from rollwise.pipeline.loop import train
+from rollwise.run.rundir import Run
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 LOSSES = sorted(policy_losses)

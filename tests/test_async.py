@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from rollwise.asyncloop import AsyncSteps, bound_staleness, staleness_histogram
-from rollwise.build import build, check_run_config, run_steps
-from rollwise.config import ConfigError, load_config, to_toml
-from rollwise.loop import Collected, train
+from rollwise.pipeline.asyncloop import AsyncSteps, bound_staleness, staleness_histogram
+from rollwise.pipeline.build import build, check_run_config, run_steps
+from rollwise.compose.config import ConfigError, load_config, to_toml
+from rollwise.pipeline.loop import Collected, train
 from rollwise.rewards import RewardStats
-from rollwise.rundir import Run
+from rollwise.run.rundir import Run
 from rollwise.types import Group, Sample
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"

@@ -10,9 +10,9 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from rollwise.cli import app, os_error_message
-from rollwise.config import load_config, to_toml
-from rollwise.launch import config_changes
-from rollwise.runlock import RunLock
+from rollwise.compose.config import load_config, to_toml
+from rollwise.pipeline.launch import config_changes
+from rollwise.system.runlock import RunLock
 from test_cli import QUICK, ROOT, rollwise
 
 CONFIG = str(ROOT / "configs/tiny_arith.toml")
@@ -104,9 +104,9 @@ def test_allowed_changes_are_recorded_and_extending_needs_no_flag(tmp_path):
 
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path,
                                                                             monkeypatch):
-    import rollwise.rundir
+    import rollwise.run.rundir
 
-    real, calls = rollwise.rundir.save_checkpoint, []
+    real, calls = rollwise.run.rundir.save_checkpoint, []
 
     def fills_up(*args, **kwargs):
         calls.append(1)
@@ -114,7 +114,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp
             raise OSError(errno.ENOSPC, "No space left on device", "checkpoints/.tmp_step_2")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rollwise.rundir, "save_checkpoint", fills_up)
+    monkeypatch.setattr(rollwise.run.rundir, "save_checkpoint", fills_up)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ROLLWISE_NO_PROGRESS", "1")
     out = CliRunner().invoke(app, ["train", CONFIG, *QUICK, "--set", "run.checkpoint_every=1",
@@ -124,7 +124,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp
     assert "disk full (checkpoints/.tmp_step_2)" in text and "--resume runs/tiny_arith" in text
     root = tmp_path / "runs/tiny_arith"
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["step_1"]
-    monkeypatch.setattr(rollwise.rundir, "save_checkpoint", real)
+    monkeypatch.setattr(rollwise.run.rundir, "save_checkpoint", real)
     again = CliRunner().invoke(app, ["train", "--resume", str(root)])
     assert again.exit_code == 0, again.output[-2000:]
     assert json.loads((root / "summary.json").read_text())["steps"] == 3

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from rollwise.config import Config, ConfigError, load_config, to_toml
+from rollwise.compose.config import Config, ConfigError, load_config, to_toml
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -22,7 +22,7 @@ def test_defaults_without_a_file() -> None:
     cfg = load_config()
     assert cfg == Config()
     assert cfg.rollout.temperature == 1.0
-    # precision is chosen per machine unless set (rollwise.precision)
+    # precision is chosen per machine unless set (rollwise.compose.precision)
     assert (cfg.rollout.dtype, cfg.learner.precision, cfg.algorithm.correction) == ("auto",) * 3
 
 

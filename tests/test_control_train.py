@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rollwise.bench.alloc import summarise
-from rollwise.build import build
-from rollwise.config import load_config
+from rollwise.pipeline.build import build
+from rollwise.compose.config import load_config
 from rollwise.control import ALLOCATORS, PosteriorBook
-from rollwise.loop import train
+from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
-from rollwise.rundir import Run
+from rollwise.run.rundir import Run
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollwise.build import build
-from rollwise.config import load_config, to_toml
+from rollwise.pipeline.build import build
+from rollwise.compose.config import load_config, to_toml
 from rollwise.learner.checkpoint import load_checkpoint
-from rollwise.loop import train
-from rollwise.rundir import Run
+from rollwise.pipeline.loop import train
+from rollwise.run.rundir import Run
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollwise.rundir import Run
+from rollwise.run.rundir import Run
 
 
 def test_step_line_eta(tmp_path) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rollwise.build import build
-from rollwise.config import load_config
-from rollwise.evaluate import pass_at_k, task_table
+from rollwise.pipeline.build import build
+from rollwise.compose.config import load_config
+from rollwise.pipeline.evaluate import pass_at_k, task_table
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 

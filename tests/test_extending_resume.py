@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 import rollwise
 from rollwise.cli import app
-from rollwise.config import ConfigError, load_config, to_toml
+from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.control import Request
-from rollwise.crashtest import read_run
+from rollwise.pipeline.crashtest import read_run
 from rollwise.types import Sample
 
 CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith.toml")
@@ -174,7 +174,7 @@ def test_per_term_metrics_and_stored_advantages(tmp_path):
 
 
 def test_per_term_error_counts_and_accuracy_with_a_correct_term():
-    from rollwise.rundir import reward_terms
+    from rollwise.run.rundir import reward_terms
     from rollwise.types import Trajectory
 
     def traj(scores, errors=()):
@@ -262,7 +262,7 @@ def test_a_group_term_from_python_takes_its_options(tmp_path):
     """Regression: reward_options of a group term passed from Python was refused
     ("'token_penalty' is not one")."""
     from rollwise.api import _reward_terms
-    from rollwise.build import build
+    from rollwise.pipeline.build import build
 
     cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", *TINY,
                                "task.reward_options={ token_penalty = { limit = 2 } }"])

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from rollwise.algos import advantage_estimators, policy_losses
 from rollwise.algos.advantages import call_estimator
-from rollwise.config import Config, ConfigError, flatten, load_config, validate_config
-from rollwise.preflight import check_config
+from rollwise.compose.config import Config, ConfigError, flatten, load_config, validate_config
+from rollwise.compose.preflight import check_config
 from rollwise.rewards import VERIFIERS
 from rollwise.tasks import DatasetError, load_samples, make_task
 from rollwise.types import Sample

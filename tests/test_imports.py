@@ -60,4 +60,4 @@ def test_no_import_cycles():
     # the engine composes its admission and verifier; they never reach back into it
     for part in ("rollwise.engine.admission", "rollwise.engine.verifier"):
         assert "rollwise.engine.native" not in graph[part], part
-    assert "rollwise.build" not in graph["rollwise.loop"]
+    assert "rollwise.pipeline.build" not in graph["rollwise.pipeline.loop"]

@@ -143,9 +143,9 @@ def test_trackio_logs_locally(tmp_path, monkeypatch):
 
 
 def test_a_run_feeds_every_metrics_record_to_the_loggers(tmp_path):
-    from rollwise.build import build
-    from rollwise.loop import train
-    from rollwise.rundir import Run
+    from rollwise.pipeline.build import build
+    from rollwise.pipeline.loop import train
+    from rollwise.run.rundir import Run
     from test_runsafety import small
 
     cfg = small(tmp_path, "run.num_steps=2")

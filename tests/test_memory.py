@@ -1,4 +1,4 @@
-"""Memory a run can see (rollwise.runtime): the process's peak resident set per step and per
+"""Memory a run can see (rollwise.system.runtime): the process's peak resident set per step and per
 phase, and thread counts that follow the cores free of other work."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from rollwise import runtime
+from rollwise.system import runtime
 from rollwise.observe.progress import format_step_line
-from rollwise.rundir import StepTimer
+from rollwise.run.rundir import StepTimer
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from rollwise.build import build
-from rollwise.config import load_config, to_toml
-from rollwise.loop import train
-from rollwise.rundir import Run
+from rollwise.pipeline.build import build
+from rollwise.compose.config import load_config, to_toml
+from rollwise.pipeline.loop import train
+from rollwise.run.rundir import Run
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 FIXTURE = Path(__file__).parent / "data" / "pinned_metrics.json"

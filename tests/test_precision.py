@@ -32,7 +32,7 @@ def workload():
 
 def _native_bf16() -> bool:
     """This CPU computes bfloat16 in hardware and torch is not capped below it."""
-    from rollwise.precision import cpu_flags, native_bf16
+    from rollwise.compose.precision import cpu_flags, native_bf16
 
     return native_bf16(cpu_flags(), torch.backends.cpu.get_cpu_capability())
 
@@ -163,8 +163,8 @@ def test_mismatch_metrics_vanish_at_the_same_precision(workload, correction) -> 
 
 
 def test_rollout_dtype_config_reaches_the_engines(tmp_path) -> None:
-    from rollwise.build import build
-    from rollwise.config import ConfigError, load_config
+    from rollwise.pipeline.build import build
+    from rollwise.compose.config import ConfigError, load_config
 
     base = [f"run.output_dir='{tmp_path}'", "run.threads=1", "task.num_eval=8"]
     stages = build(load_config(CONFIG, [*base, "rollout.dtype='bfloat16'"]))
@@ -181,10 +181,10 @@ def test_rollout_dtype_config_reaches_the_engines(tmp_path) -> None:
 def test_bf16_rollouts_with_tis_train_like_float32(tmp_path) -> None:
     """60 steps of the tiny config: bfloat16 rollouts + bfloat16 learner + TIS raise the
     reward and reach the float32 run's level (same seed), with the mismatch reported."""
-    from rollwise.build import build
-    from rollwise.config import load_config, to_toml
-    from rollwise.loop import train
-    from rollwise.rundir import Run
+    from rollwise.pipeline.build import build
+    from rollwise.compose.config import load_config, to_toml
+    from rollwise.pipeline.loop import train
+    from rollwise.run.rundir import Run
 
     curves, last = {}, {}
     for name, extra in {"fp32": ["rollout.dtype='float32'", "learner.precision='float32'"],
@@ -213,10 +213,10 @@ def test_compare_runs_reports_mismatch_and_publication(tmp_path) -> None:
     """Two short tiny runs (float32; bfloat16 + TIS) compared side by side: the bfloat16
     run records its publication cost and the mismatch, the float32 run neither."""
     from rollwise.bench.e2e import PRECISIONS, compare_runs
-    from rollwise.build import build
-    from rollwise.config import load_config, to_toml
-    from rollwise.loop import train
-    from rollwise.rundir import Run
+    from rollwise.pipeline.build import build
+    from rollwise.compose.config import load_config, to_toml
+    from rollwise.pipeline.loop import train
+    from rollwise.run.rundir import Run
 
     for name, overrides in PRECISIONS.items():
         cfg = load_config(CONFIG, [*overrides, f"run.output_dir='{tmp_path}'",
@@ -239,11 +239,11 @@ def test_eval_of_a_bf16_run_reads_its_trained_weights(tmp_path) -> None:
     publish it to the bfloat16 engine: it reproduces the run's final evaluation."""
     from typer.testing import CliRunner
 
-    from rollwise.build import build
+    from rollwise.pipeline.build import build
     from rollwise.cli import app
-    from rollwise.config import load_config, to_toml
-    from rollwise.loop import train
-    from rollwise.rundir import Run
+    from rollwise.compose.config import load_config, to_toml
+    from rollwise.pipeline.loop import train
+    from rollwise.run.rundir import Run
 
     cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "run.name='b'", "run.threads=1",
                                "eval.every=0", "rollout.prompts_per_step=16", "learner.lr=1e-2",

@@ -1,4 +1,4 @@
-"""`auto` precision (rollwise.precision): what the probe sees, the decision it makes on each
+"""`auto` precision (rollwise.compose.precision): what the probe sees, the decision it makes on each
 kind of CPU, its cache, explicit settings winning, the warning for emulated bfloat16, and
 that a vector-ISA cap (how CI checks the AVX2 path on a newer CPU) really changes kernels."""
 
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from rollwise import precision as P
-from rollwise.precision import ModelShapes, Probe
+from rollwise.compose import precision as P
+from rollwise.compose.precision import ModelShapes, Probe
 
 pytestmark = pytest.mark.precision
 SHAPES = ModelShapes(576, 1536, 960)  # SmolLM2-135M's

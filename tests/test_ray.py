@@ -15,12 +15,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rollwise.build import build, build_run, run_steps
-from rollwise.config import ConfigError, load_config, to_toml
+from rollwise.pipeline.build import build, build_run, run_steps
+from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.distributed.cluster import connect, probe, worker_env
-from rollwise.loop import train
+from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
-from rollwise.rundir import Run
+from rollwise.run.rundir import Run
 
 pytestmark = pytest.mark.ray
 

@@ -13,11 +13,11 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster
 
-from rollwise.build import build_run, run_steps
-from rollwise.config import load_config, to_toml
+from rollwise.pipeline.build import build_run, run_steps
+from rollwise.compose.config import load_config, to_toml
 from rollwise.distributed.cluster import worker_env
-from rollwise.loop import train
-from rollwise.rundir import Run
+from rollwise.pipeline.loop import train
+from rollwise.run.rundir import Run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

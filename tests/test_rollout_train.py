@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from rollwise.build import build
-from rollwise.config import ConfigError
-from rollwise.loop import train
+from rollwise.pipeline.build import build
+from rollwise.compose.config import ConfigError
+from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
-from rollwise.rundir import Run
+from rollwise.run.rundir import Run
 from test_train import params, run_dir, small
 
 PARTIAL = ["rollout.strategy='partial+context'", "rollout.chunk_tokens=4",

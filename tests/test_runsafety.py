@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollwise.atomic import atomic_write_text
-from rollwise.build import build
-from rollwise.config import ConfigError, load_config
-from rollwise.health import HealthCheck, RunUnhealthy, step_problems
+from rollwise.system.atomic import atomic_write_text
+from rollwise.pipeline.build import build
+from rollwise.compose.config import ConfigError, load_config
+from rollwise.run.health import HealthCheck, RunUnhealthy, step_problems
 from rollwise.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from rollwise.loop import train
-from rollwise.preflight import check_config
+from rollwise.pipeline.loop import train
+from rollwise.compose.preflight import check_config
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardPool, RewardSpec
-from rollwise.rundir import Run
-from rollwise.runlock import RunLock, RunLockedError
+from rollwise.run.rundir import Run
+from rollwise.system.runlock import RunLock, RunLockedError
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 
@@ -126,7 +126,7 @@ def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
-    code = ("import sys, time; from rollwise.runlock import RunLock; "
+    code = ("import sys, time; from rollwise.system.runlock import RunLock; "
             f"lock = RunLock({str(tmp_path / 'r')!r}); print('locked', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
@@ -158,9 +158,9 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
     ("rollout.group_size=1", "rollout.group_size"),
 ])
 def test_bad_values_are_named_before_any_model_loads(tmp_path, override, key, monkeypatch):
-    import rollwise.build
+    import rollwise.pipeline.build
 
-    monkeypatch.setattr(rollwise.build, "build_policy", lambda *a: pytest.fail("model loaded"))
+    monkeypatch.setattr(rollwise.pipeline.build, "build_policy", lambda *a: pytest.fail("model loaded"))
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         build(load_config(CONFIG, [override]))
 
@@ -230,7 +230,7 @@ def test_periodic_checkpoints_let_a_killed_run_resume(tmp_path):
     cfg = small(tmp_path, "run.num_steps=4")
     stages = build(cfg)
     run = quiet(tmp_path / "r", resume=False)
-    from rollwise.loop import train_step
+    from rollwise.pipeline.loop import train_step
 
     run.resume(stages)
     for step in range(3):  # three steps with checkpoint_every = 2, then "kill -9"

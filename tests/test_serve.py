@@ -362,10 +362,10 @@ def test_calls_with_an_episode_id_are_recorded_token_for_token(live, client):
 def test_a_run_directory_serves_its_latest_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
-    from rollwise.build import build
-    from rollwise.config import to_toml
-    from rollwise.loop import train
-    from rollwise.rundir import Run
+    from rollwise.pipeline.build import build
+    from rollwise.compose.config import to_toml
+    from rollwise.pipeline.loop import train
+    from rollwise.run.rundir import Run
     from rollwise.serve import load_served
     from test_runsafety import small
 
@@ -409,7 +409,7 @@ def test_an_openai_agent_rolls_out_through_the_server_for_training(tmp_path, tea
     under episode ids; the trainer collects the calls as trajectories, checks they are what
     the policy sampled (teacher-forced log-probs), updates, publishes, and the next tokens
     carry the new version."""
-    from rollwise.build import build
+    from rollwise.pipeline.build import build
     from rollwise.serve import as_trajectory
     from rollwise.types import Group
     from test_runsafety import small

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollwise.config import Config, ConfigError, load_config
+from rollwise.compose.config import Config, ConfigError, load_config
 
 
 def train(config: Config | str | Path, *,
@@ -46,7 +46,7 @@ def train(config: Config | str | Path, *,
     `--allow-changes`. Raises ConfigError naming the problem (a name taken, a function
     whose signature or options do not fit, a change to a resumed run) before the model
     loads. A resumed run that already finished returns its summary, touching nothing."""
-    from rollwise.launch import RunFinished, open_run, train_run
+    from rollwise.pipeline.launch import RunFinished, open_run, train_run
 
     cfg = config if isinstance(config, Config) else load_config(config, list(overrides))
     extra = _reward_terms(cfg, rewards, dict(weights or {}))

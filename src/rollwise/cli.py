@@ -10,7 +10,7 @@ import rich
 import typer
 from typer.core import TyperGroup
 
-from rollwise.config import ConfigError, load_config
+from rollwise.compose.config import ConfigError, load_config
 
 
 def _tidy_help(command) -> None:
@@ -81,9 +81,9 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
               "--allow-changes", help="With --resume: accept --set values that change what "
               "the finished steps used (recorded in summary.json).")] = False):
     """Train a policy with GRPO on a task; writes a run directory with metrics and report."""
-    from rollwise.health import RunUnhealthy
-    from rollwise.launch import RunFinished, train_run
-    from rollwise.runlock import RunLockedError
+    from rollwise.run.health import RunUnhealthy
+    from rollwise.pipeline.launch import RunFinished, train_run
+    from rollwise.system.runlock import RunLockedError
 
     root = None
     try:
@@ -121,7 +121,7 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
 def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_changes: bool):
     """The config, then `launch.open_run`: every check, the model, the run directory;
     (root, opened). Nothing on disk changes before the config has passed."""
-    from rollwise.launch import open_run
+    from rollwise.pipeline.launch import open_run
 
     if resume is not None:
         if not (resume / "config.toml").is_file():
@@ -142,7 +142,7 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
 def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run directory.")],
              set_: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None):
     """Greedy accuracy (and pass@k if eval.pass_k > 0) on the held-out split."""
-    from rollwise.build import build
+    from rollwise.pipeline.build import build
     from rollwise.learner.checkpoint import list_checkpoints, load_checkpoint
 
     is_run = target.is_dir()
@@ -164,7 +164,7 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
     result = stages.evaluate()
     from rich.table import Table
 
-    from rollwise.evaluate import task_table
+    from rollwise.pipeline.evaluate import task_table
 
     rows = task_table(result)
     table = Table(title="held-out evaluation by task")
@@ -214,7 +214,7 @@ def export_model(run_dir: Annotated[Path, typer.Argument(help="A run directory."
                      help="The checkpoint's step (default: the latest).")] = None):
     """Write a run's model as a Hugging Face folder (config.json, safetensors, tokenizer,
     chat template; LoRA merged) that AutoModelForCausalLM.from_pretrained loads."""
-    from rollwise.export import export
+    from rollwise.run.export import export
 
     if not (run_dir / "config.toml").is_file():
         _fail(f"{run_dir}: not a run directory (no config.toml)")
@@ -253,8 +253,8 @@ def serve(model: Annotated[str, typer.Option(
     """Serve a model over an OpenAI-compatible HTTP API (docs/serve.md)."""
     import uvicorn
 
-    from rollwise.preflight import require_device
-    from rollwise.runtime import configure
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
     from rollwise.serve import Limits, make_server
 
     require_device(device)

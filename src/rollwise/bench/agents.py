@@ -2,7 +2,7 @@
 game reaches a target, GiGPO against GRPO, same seeds, same budget per step.
 
 Both estimators train a fresh policy (the same warm start for the tiny model) through the
-real driver on the `guess` task (rollwise.envs.tasks): GRPO gives every token of an episode
+real driver on the `guess` task (rollwise.tasks.agents): GRPO gives every token of an episode
 its group-normalised episode reward; GiGPO adds, per turn, the step advantage among the
 group's turns taken in the same game state (the interval still possible). Held-out greedy
 success is measured every `eval_every` steps; `episodes_to_target` is the cumulative
@@ -30,7 +30,7 @@ def bench_config(model: str, advantage: str, seed: int, steps: int, eval_every: 
                  out: Path, extra: list[str] | None = None):
     """The game config: numbers 1-8, 4 guesses, 8 games x 8 episodes per step (tiny), or
     configs/agent_guess.toml's settings (SmolLM2)."""
-    from rollwise.config import load_config
+    from rollwise.compose.config import load_config
 
     overrides = [
         f"run.name='{advantage}-s{seed}'", f"run.output_dir='{out}'", f"run.seed={seed}",

@@ -30,7 +30,7 @@ def bench_config(model: str, allocator: str, seed: int, steps: int, eval_every: 
     prompt level: after the warm start some prompts are always solved, some never, the rest in
     between (uniform's zero-advantage fraction measures it). `--set task.name='arith_mix'
     --set task.options={levels=[...]}` gives explicit easy/medium/hard levels instead."""
-    from rollwise.config import load_config
+    from rollwise.compose.config import load_config
 
     overrides = [
         f"run.name='{allocator}-s{seed}'", f"run.output_dir='{out}'", f"run.seed={seed}",
@@ -47,9 +47,9 @@ def bench_config(model: str, allocator: str, seed: int, steps: int, eval_every: 
 
 def train_one(cfg) -> list[dict[str, Any]]:
     """Train one config; its metrics records (train and eval lines)."""
-    from rollwise.build import build
-    from rollwise.loop import train
-    from rollwise.rundir import Run
+    from rollwise.pipeline.build import build
+    from rollwise.pipeline.loop import train
+    from rollwise.run.rundir import Run
 
     stages = build(cfg)
     root = Path(cfg.run.output_dir) / cfg.run.name

@@ -45,8 +45,8 @@ def rollout(model: ModelOpt = "tiny", json: JsonOpt = None,
             threads: ThreadsOpt = 0):
     """B1: native engine vs Hugging Face generate, tokens/s and roofline fraction."""
     from rollwise.bench import rollout as b1
-    from rollwise.preflight import require_device
-    from rollwise.runtime import configure
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
 
     require_device(device)
     configure(threads)
@@ -220,8 +220,8 @@ def tail(model: ModelOpt = "tiny", json: JsonOpt = None,
          device: DeviceOpt = "cpu", threads: ThreadsOpt = 0):
     """B2: rollout strategies on a long-tailed workload: tail time, tokens/s, forwards."""
     from rollwise.bench import tail as b2
-    from rollwise.preflight import require_device
-    from rollwise.runtime import configure
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
 
     require_device(device)
     configure(threads)
@@ -273,7 +273,7 @@ def e2e(configs: Annotated[list[Path] | None, typer.Argument(
             "--no-baseline", help="Run only the best variant (e.g. against TRL alone).")] = False):
     """B3: step time split (rollout/reward/train/other) and time to a target accuracy."""
     from rollwise.bench import e2e as b3
-    from rollwise.config import parse_value
+    from rollwise.compose.config import parse_value
 
     if vs not in (None, "trl"):
         raise typer.BadParameter(f"--vs {vs!r}: only 'trl' is supported")
@@ -376,8 +376,8 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
     """One learner update on a fixed batch: float32 vs bfloat16 autocast (+ TIS), prompts
     shared or not."""
     from rollwise.bench import learner as bl
-    from rollwise.preflight import require_device
-    from rollwise.runtime import configure
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
 
     require_device(device)
     configure(threads)
@@ -414,7 +414,7 @@ def memory(json: JsonOpt = None,
     """Peak resident set and update time of random-init models of real shapes, full
     fine-tuning and LoRA, each case in its own process."""
     from rollwise.bench import memory as bm
-    from rollwise.runtime import configure
+    from rollwise.system.runtime import configure
 
     threads = configure(threads)
     bad = [k for k in kind or [] if k not in ("full", "lora")]
@@ -440,9 +440,9 @@ def probe(model: Annotated[str, typer.Option(help="A model name or folder: its s
           threads: ThreadsOpt = 0):
     """Measure this CPU's speed per precision again on a model's shapes, replace the cached
     probe, and print what `auto` picks (docs/precision.md)."""
-    from rollwise import precision as P
+    from rollwise.compose import precision as P
     from rollwise.models import load_policy
-    from rollwise.runtime import configure
+    from rollwise.system.runtime import configure
 
     threads = configure(threads)
     shapes = P.ModelShapes.of(load_policy(model).model)
@@ -467,8 +467,8 @@ def serve(model: ModelOpt = "tiny", json: JsonOpt = None,
           device: DeviceOpt = "cpu", threads: ThreadsOpt = 0):
     """The OpenAI-compatible server vs the engine's own generate: requests/s, tokens/s."""
     from rollwise.bench import serve as bs
-    from rollwise.preflight import require_device
-    from rollwise.runtime import configure
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
 
     require_device(device)
     configure(threads)

@@ -22,8 +22,8 @@ SIDES = ("kept", "recomputed")
 
 def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: list[str] | None = None,
         progress=print) -> dict[str, Any]:
-    from rollwise.config import load_config
-    from rollwise.parts import (
+    from rollwise.compose.config import load_config
+    from rollwise.compose.parts import (
         build_engine,
         build_episode_runner,
         build_policy,
@@ -31,8 +31,8 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: li
         build_sampling,
         build_task,
     )
-    from rollwise.runtime import configure as configure_runtime
-    from rollwise.stages import encode_prompts
+    from rollwise.system.runtime import configure as configure_runtime
+    from rollwise.pipeline.stages import encode_prompts
 
     cfg = load_config(config, list(overrides or []))
     configure_runtime(cfg.run.threads)

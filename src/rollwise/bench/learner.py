@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rollwise.bench.common import load_workload, median, synchronize
-from rollwise.runtime import rss_peak, trim_heap
+from rollwise.system.runtime import rss_peak, trim_heap
 
 VARIANTS: dict[str, tuple[str, str, bool]] = {  # name: (precision, correction, share prompts)
     "float32": ("float32", "none", True),

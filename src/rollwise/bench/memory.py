@@ -34,7 +34,7 @@ def _model(shape: str, shapes_dir: Path, lora_rank: int):
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        from rollwise.config import ModelConfig
+        from rollwise.compose.config import ModelConfig
 
         model = get_peft_model(model, LoraConfig(
             r=lora_rank, lora_alpha=2 * lora_rank,
@@ -68,7 +68,7 @@ def case(shape: str, kind: str, *, steps: int = 2, prompts: int = 2, group: int 
     from rollwise.algos import policy_losses
     from rollwise.learner import Learner
     from rollwise.learner.memory import state_mb
-    from rollwise.runtime import run_peak_rss_mb
+    from rollwise.system.runtime import run_peak_rss_mb
 
     model = _model(shape, Path(shapes_dir), lora_rank if kind == "lora" else 0)
     built = run_peak_rss_mb()

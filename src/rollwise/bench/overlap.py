@@ -48,9 +48,9 @@ def _median(values: list[float]) -> float:
 
 def run_variant(path: Path, name: str, overrides: tuple[str, ...], out: Path, steps: int,
                 warmup: int, extra: list[str]) -> dict[str, Any]:
-    from rollwise.build import build_run, run_steps
-    from rollwise.loop import train
-    from rollwise.rundir import Run
+    from rollwise.pipeline.build import build_run, run_steps
+    from rollwise.pipeline.loop import train
+    from rollwise.run.rundir import Run
 
     cfg = variant_config(path, name, overrides, out, extra, num_steps=steps,
                          checkpoint_every=0, checkpoint_minutes=0)

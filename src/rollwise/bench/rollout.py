@@ -164,8 +164,8 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
     leaves `generate` out of the timed sides (it is still the greedy reference)."""
     policy, ids = load_workload(model, max(prompts, fixed_batch), seed, device)
     auto = None
-    if "auto" in dtypes:  # what training would pick here (rollwise.precision)
-        from rollwise.precision import ModelShapes, resolve
+    if "auto" in dtypes:  # what training would pick here (rollwise.compose.precision)
+        from rollwise.compose.precision import ModelShapes, resolve
 
         auto = resolve("auto", "float32", "none", shapes=ModelShapes.of(policy.model),
                        device=device).rollout

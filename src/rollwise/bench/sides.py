@@ -17,7 +17,7 @@ def variant_config(path: Path, name: str, overrides: tuple[str, ...] | list[str]
                    extra: list[str] | None = None, **run_keys: Any):
     """The config of one variant: the file, the variant's overrides, then `extra` (applies to
     every variant), then the run keys the benchmark sets (name, output dir, steps...)."""
-    from rollwise.config import load_config
+    from rollwise.compose.config import load_config
 
     keys = {"name": f"'{Path(path).stem}-{name}'", "output_dir": f"'{out}'", "overwrite": "true",
             **run_keys}
@@ -38,8 +38,8 @@ class Side:
 
     @classmethod
     def build(cls, name: str, cfg) -> Side:
-        from rollwise.build import build
-        from rollwise.rundir import Run
+        from rollwise.pipeline.build import build
+        from rollwise.run.rundir import Run
 
         stages = build(cfg)
         run = Run(Path(cfg.run.output_dir) / cfg.run.name, resume=False, echo=lambda s: None)
@@ -47,7 +47,7 @@ class Side:
 
     def step(self) -> dict[str, Any]:
         """One training step through the driver's `train_step`; its record plus counters."""
-        from rollwise.loop import train_step
+        from rollwise.pipeline.loop import train_step
 
         stats = getattr(self.stages.engine, "stats", None)
         before = _engine_counters(stats)

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from rollwise.rewards import RewardPool, RewardStats
-from rollwise.runtime import configure as configure_runtime
+from rollwise.system.runtime import configure as configure_runtime
 from rollwise.types import Trajectory
 
 
 def _config(data: dict):
-    from rollwise.config import validate_config
+    from rollwise.compose.config import validate_config
 
     return validate_config(data)
 
@@ -75,7 +75,7 @@ class RemoteScorer:
 
 class RolloutWorker:
     def __init__(self, cfg_data: dict, policy, precision, reward, threads: int):
-        from rollwise.parts import build_rollout_stage, build_task
+        from rollwise.compose.parts import build_rollout_stage, build_task
 
         configure_runtime(threads)
         cfg = _config(cfg_data)
@@ -144,7 +144,7 @@ class RewardWorker:
 
 class LearnerWorker:
     def __init__(self, cfg_data: dict, policy, precision, threads: int):
-        from rollwise.parts import build_learner
+        from rollwise.compose.parts import build_learner
 
         configure_runtime(threads)
         cfg = _config(cfg_data)

@@ -6,7 +6,7 @@ import os
 import socket
 from pathlib import Path
 
-from rollwise.config import ConfigError
+from rollwise.compose.config import ConfigError
 
 INSTALL = "pip install 'rollwise[ray]'"
 

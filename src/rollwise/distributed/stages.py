@@ -31,7 +31,7 @@ from rollwise.control import Request
 from rollwise.rewards import RewardStats
 from rollwise.rewards.group import apply_group_rewards
 from rollwise.rollout.figures import RolloutFigures
-from rollwise.stages import Stages
+from rollwise.pipeline.stages import Stages
 from rollwise.types import Batch, Group
 
 RESTARTS = 4  # times Ray restarts a dead rollout or reward actor
@@ -185,9 +185,9 @@ class RayStages(Stages):
 
 def build_distributed(cfg, rewards=None, *, address: str | None = None) -> RayStages:
     """`build(cfg)` for the driver, then the actors around the same stage builders."""
-    from rollwise.build import build
+    from rollwise.pipeline.build import build
     from rollwise.distributed.cluster import connect, worker_env
-    from rollwise.parts import build_precision, reward_specs, reward_timeout
+    from rollwise.compose.parts import build_precision, reward_specs, reward_timeout
 
     ray, started = connect(address or cfg.run.ray_address)
     local = build(cfg, rewards)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollwise.atomic import fsync_dir, fsync_file
+from rollwise.system.atomic import fsync_dir, fsync_file
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

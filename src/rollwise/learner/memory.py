@@ -10,7 +10,7 @@ a layer keeps only its input (hidden values) and one layer at a time recomputes 
 set in the backward pass. The output layer's log-probs add logprob_chunk x vocabulary x
 LOGIT_BYTES (the chunk's logits, softmax and gradient in float32; learner/logprobs.py).
 
-The constants were measured with peak resident set (`rollwise.runtime.rss_peak`) on the
+The constants were measured with peak resident set (`rollwise.system.runtime.rss_peak`) on the
 SmolLM2-135M shape at 512 to 4096 tokens (1.5 MiB a token in float32, 1.3 under
 autocast) (docs/performance.md, "Memory"); they are an
 estimate to size micro-batches with, not a guarantee.

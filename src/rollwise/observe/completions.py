@@ -15,7 +15,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from rollwise.atomic import atomic_write_text
+from rollwise.system.atomic import atomic_write_text
 from rollwise.observe import html, plots
 from rollwise.observe.metrics import number, read_metrics
 

@@ -152,7 +152,7 @@ class MlflowSink:
         from mlflow.entities import Param, RunTag
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-        from rollwise.config import flatten
+        from rollwise.compose.config import flatten
 
         values = {_mlflow_name(k): str(v)[:MAX_PARAM_VAL_LENGTH]
                   for k, v in flatten(config).items() if not isinstance(v, dict)}

@@ -18,7 +18,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from rollwise.atomic import atomic_write_text
+from rollwise.system.atomic import atomic_write_text
 from rollwise.observe import html, plots
 from rollwise.observe.completions import completions_section
 from rollwise.observe.metrics import METRICS_FILE, number, read_metrics
@@ -47,7 +47,7 @@ def write_report(run_dir: Path) -> Path:
     evaluated = [(k, summary[k]) for k in ("eval_before", "eval_after")
                  if isinstance(summary.get(k), dict)]
     if evaluated:
-        from rollwise.evaluate import task_table
+        from rollwise.pipeline.evaluate import task_table
 
         rows = [{"when": k.removeprefix("eval_"), **row} for k, result in evaluated
                 for row in task_table(result)]

@@ -94,7 +94,7 @@ class RewardStats:
 def _serve(conn, specs: list[RewardSpec]) -> None:
     """A worker process: (job id, spec index, text, sample) in, (job id, score, error,
     seconds) out, until the pipe closes or None arrives."""
-    from rollwise.runlock import close_inherited
+    from rollwise.system.runlock import close_inherited
 
     close_inherited()  # never keep the parent's run directory locked
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -41,7 +41,7 @@ def _load(model: str, step: int | None, dtype: str) -> Served:
 
 
 def _load_run(run_dir: Path, step: int | None) -> Served:
-    from rollwise.export import load_run_policy
+    from rollwise.run.export import load_run_policy
 
     policy, checkpoint, state = load_run_policy(run_dir, step)
     name = f"{run_dir.resolve().name}@{checkpoint.name}"

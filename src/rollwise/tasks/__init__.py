@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from rollwise.envs.tasks import build_calc_tool, build_guess, build_lookup
+from rollwise.tasks.agents import build_calc_tool, build_guess, build_lookup
 from rollwise.registry import Registry, unknown_name_error
 from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
 from rollwise.tasks.base import Task, TaskSetup
@@ -29,7 +29,7 @@ for _name, _builder in {"arith": build_arith, "arith_chain": build_arith_chain,
                         "humaneval": build_humaneval, "pycode": build_pycode,
                         "verifiers": build_verifiers}.items():
     TASKS.register(_name)(_builder)
-# multi-turn environment tasks (rollwise.envs.tasks; docs/agents.md)
+# multi-turn environment tasks (rollwise.tasks.agents; docs/agents.md)
 for _name, _builder in {"calc_tool": build_calc_tool, "lookup": build_lookup,
                         "guess": build_guess}.items():
     TASKS.register(_name)(_builder)

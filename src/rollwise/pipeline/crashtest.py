@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollwise.config import Config, load_config, to_toml
+from rollwise.compose.config import Config, load_config, to_toml
 from rollwise.rewards.group import group_reward
 from rollwise.types import Sample, Trajectory
 
@@ -83,8 +83,8 @@ def _child(stages, root: Path, cfg: Config, resume: bool) -> None:
     code = 1
     try:
         try:
-            from rollwise.loop import train
-            from rollwise.rundir import Run
+            from rollwise.pipeline.loop import train
+            from rollwise.run.rundir import Run
 
             stored = root / "config.toml"  # absent when the first child died before it
             if resume and stored.is_file() and load_config(stored) != cfg:
@@ -165,7 +165,7 @@ def compare(root: Path, reference: tuple[list[dict], list[tuple], dict]) -> list
 def crash_test(cfg: Config, kills: int, seed: int, workdir: Path,
                sigint_share: float = 0.3, log=lambda s: None) -> CrashReport:
     """Run the harness (see the module docstring) with at least `kills` kills."""
-    from rollwise.build import build
+    from rollwise.pipeline.build import build
 
     workdir.mkdir(parents=True, exist_ok=True)
     stages = build(cfg)

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from rollwise.config import Config, ConfigError
+from rollwise.compose.config import Config, ConfigError
 from rollwise.registry import accepted_options, options_misfit
 
 # What the controller calls on an allocator (docs/extending.md, rollwise/control/allocators.py)
@@ -52,7 +52,7 @@ def _check_algorithms(cfg: Config) -> None:
     _known("algorithm.advantage", a.advantage, advantage_estimators, "advantage estimator")
     _known("algorithm.loss", a.loss, policy_losses, "policy loss")
     _known("algorithm.kl_estimator", a.kl_estimator, kl_estimators, "KL estimator")
-    if a.correction not in ("none", "auto"):  # auto: rollwise.precision decides
+    if a.correction not in ("none", "auto"):  # auto: rollwise.compose.precision decides
         _known("algorithm.correction", a.correction, corrections, "correction")
     problem = options_misfit(advantage_estimators.get(a.advantage), a.advantage_options,
                              passes=advantage_estimators.takes, inputs=INPUTS)
@@ -100,7 +100,7 @@ def _check_allocator(cfg: Config) -> None:
     """The allocator is known; a class of the user's has the methods the controller calls
     and a constructor the control options can fill."""
     from rollwise.control.allocators import ALLOCATORS
-    from rollwise.parts import allocator_options
+    from rollwise.compose.parts import allocator_options
 
     name = cfg.control.allocator
     _known("control.allocator", name, ALLOCATORS)

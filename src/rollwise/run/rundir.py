@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollwise.atomic import atomic_write_text
-from rollwise.health import HealthCheck, RunUnhealthy
+from rollwise.system.atomic import atomic_write_text
+from rollwise.run.health import HealthCheck, RunUnhealthy
 from rollwise.learner.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -50,8 +50,8 @@ from rollwise.observe.progress import ProgressHandle
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
 from rollwise.rewards.pool import NOTE
-from rollwise.runlock import RunLock
-from rollwise.runtime import device_memory, rss_peak, run_peak_rss_mb
+from rollwise.system.runlock import RunLock
+from rollwise.system.runtime import device_memory, rss_peak, run_peak_rss_mb
 from rollwise.types import CORRECT, Group, Trajectory
 
 

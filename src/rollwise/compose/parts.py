@@ -14,14 +14,14 @@ from rollwise.algos import (
     lookup,
     policy_losses,
 )
-from rollwise.config import Config
+from rollwise.compose.config import Config
 from rollwise.control import Controller, PosteriorBook, UniformSampler, make_allocator
 from rollwise.engine.base import Engine, RequestEngine, SamplingParams
 from rollwise.envs.render import TurnRenderer
 from rollwise.learner import Learner
 from rollwise.models import Policy, load_policy
-from rollwise.precision import ModelShapes, PrecisionChoice
-from rollwise.precision import resolve as resolve_precision
+from rollwise.compose.precision import ModelShapes, PrecisionChoice
+from rollwise.compose.precision import resolve as resolve_precision
 from rollwise.rewards import RewardSpec, get_verifier
 from rollwise.rewards.group import GroupTerm, get_group_reward, is_group_term
 from rollwise.rollout import RolloutScheduler, RolloutStage
@@ -163,7 +163,7 @@ def build_judge(cfg: Config):
 
 def build_precision(cfg: Config, policy: Policy) -> PrecisionChoice:
     """rollout.dtype, learner.precision and algorithm.correction with every 'auto' settled
-    for this machine (rollwise.precision: a cached probe of the model's shapes)."""
+    for this machine (rollwise.compose.precision: a cached probe of the model's shapes)."""
     from rollwise.engine.decoder import UnsupportedModel, check_supported
 
     engine = cfg.rollout.engine
@@ -179,7 +179,7 @@ def build_precision(cfg: Config, policy: Policy) -> PrecisionChoice:
 def check_enough_prompts(usable: int, skipped: int, per_step: int) -> None:
     """A train set smaller than one step would repeat prompts within a step unnoticed."""
     if usable < per_step:
-        from rollwise.config import ConfigError
+        from rollwise.compose.config import ConfigError
 
         raise ConfigError(f"{usable} usable training prompts ({skipped} too long) is less "
                           f"than one step (rollout.prompts_per_step = {per_step})")
@@ -219,7 +219,7 @@ def build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
                      decode) -> RolloutScheduler | None:
     """The rollout scheduler over a native engine; None (plain batched generation) for the
     HF engine, which only supports the 'sync'/'continuous' schedules without speculation."""
-    from rollwise.config import ConfigError
+    from rollwise.compose.config import ConfigError
 
     r = cfg.rollout
     if not isinstance(engine, RequestEngine):
@@ -242,7 +242,7 @@ def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, 
                     task: Task, tree: bool = True) -> EpisodeRunner:
     """The episode runner of a task with an environment (native engine only); `tree`
     False: no tree branching (evaluation runs one episode per prompt)."""
-    from rollwise.config import ConfigError
+    from rollwise.compose.config import ConfigError
 
     r = cfg.rollout
     if not isinstance(engine, RequestEngine):
@@ -269,7 +269,7 @@ def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: i
     converted weights this one shares (the evaluator reads the rollout engine's copy);
     `spec_tokens`: draft tokens one verification pass takes; `decode_step`: how its
     decode step runs (engine/step.py)."""
-    from rollwise.config import ConfigError
+    from rollwise.compose.config import ConfigError
     from rollwise.engine import NativeEngine, make_engine
 
     if name == "hf" and dtype != "float32":

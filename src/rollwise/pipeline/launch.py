@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollwise.config import Config, ConfigError, flatten, load_config, to_toml
-from rollwise.rundir import Run, claim_run_dir, finished_step, read_run_file, update_run_file
+from rollwise.compose.config import Config, ConfigError, flatten, load_config, to_toml
+from rollwise.run.rundir import Run, claim_run_dir, finished_step, read_run_file, update_run_file
 
 if TYPE_CHECKING:  # the stages import torch; this module is read before the model loads
-    from rollwise.stages import Stages
+    from rollwise.pipeline.stages import Stages
 
 Rewards = dict[str, tuple[Callable, float]]  # name -> (function, weight), from Python
 
@@ -129,11 +129,11 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
     run's step lines, `warn` what deserves attention (default: `echo`). Raises
     ConfigError (and ValueError, RunLockedError) before anything changes on disk, and
     `RunFinished` when `resume` has nothing left to train."""
-    from rollwise.build import build_run
-    from rollwise.health import HealthCheck
+    from rollwise.pipeline.build import build_run
+    from rollwise.run.health import HealthCheck
     from rollwise.observe.loggers import check_loggers
-    from rollwise.preflight import check_config
-    from rollwise.runlock import RunLock
+    from rollwise.compose.preflight import check_config
+    from rollwise.system.runlock import RunLock
 
     warn = warn or echo
     rewards = rewards or {}
@@ -201,8 +201,8 @@ def _loggers(cfg: Config, root: Path, warn: Callable[[str], None]):
 
 def train_run(opened: Opened) -> dict:
     """Train an opened run to run.num_steps; its summary."""
-    from rollwise.build import run_steps
-    from rollwise.loop import train
+    from rollwise.pipeline.build import run_steps
+    from rollwise.pipeline.loop import train
 
     cfg, stages, run = opened.cfg, opened.stages, opened.run
     try:

@@ -13,11 +13,11 @@ from functools import partial
 import torch
 
 from rollwise.algos import advantage_estimators, lookup
-from rollwise.config import Config
+from rollwise.compose.config import Config
 from rollwise.control import UniformSampler
-from rollwise.evaluate import EpisodeEvaluator, Evaluator
+from rollwise.pipeline.evaluate import EpisodeEvaluator, Evaluator
 from rollwise.models import Policy
-from rollwise.parts import (
+from rollwise.compose.parts import (
     build_control,
     build_engine,
     build_episode_runner,
@@ -35,8 +35,8 @@ from rollwise.parts import (
     verify_by_task,
 )
 from rollwise.rewards import RewardPool, RewardSpec
-from rollwise.runtime import configure as configure_runtime
-from rollwise.stages import Stages, encode_prompts
+from rollwise.system.runtime import configure as configure_runtime
+from rollwise.pipeline.stages import Stages, encode_prompts
 
 __all__ = ["Stages", "build", "build_policy", "build_run", "check_run_config", "encode_prompts",
            "run_steps"]
@@ -47,7 +47,7 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None,
     """`rewards`: the caller's own verifiers (name -> (function, weight)) besides the
     config's terms; the Python API (`rollwise.train`) passes them. `policy`: an already
     built policy to use instead of building one (a Ray actor receives the driver's)."""
-    from rollwise.preflight import check_config
+    from rollwise.compose.preflight import check_config
 
     # names, options and devices, before the model loads
     check_config(cfg, {name: fn for name, (fn, _) in (rewards or {}).items()})
@@ -121,7 +121,7 @@ def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None,
 
 def check_run_config(cfg: Config) -> None:
     """run.backend / run.mode combinations that cannot work, before anything loads."""
-    from rollwise.config import ConfigError
+    from rollwise.compose.config import ConfigError
 
     rc = cfg.run
     if rc.mode == "async" and rc.backend == "local" and rc.max_staleness > 0:
@@ -151,8 +151,8 @@ def run_steps(cfg: Config):
     driver with its staleness bound (`loop.train(..., steps=run_steps(cfg))`)."""
     from functools import partial
 
-    from rollwise.asyncloop import AsyncSteps
-    from rollwise.loop import SyncSteps
+    from rollwise.pipeline.asyncloop import AsyncSteps
+    from rollwise.pipeline.loop import SyncSteps
 
     if cfg.run.mode == "sync":
         return SyncSteps

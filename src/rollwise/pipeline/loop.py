@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollwise.rewards import RewardStats
-from rollwise.rundir import Run, StepTimer, defer_interrupt
-from rollwise.stages import Stages
+from rollwise.run.rundir import Run, StepTimer, defer_interrupt
+from rollwise.pipeline.stages import Stages
 from rollwise.types import Group
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollwise.control import Controller, Request, UniformSampler
-from rollwise.evaluate import Evaluator
+from rollwise.pipeline.evaluate import Evaluator
 from rollwise.learner import Learner, prepare_batch
 from rollwise.models import Policy
 from rollwise.rewards import RewardStats, mask_infra_failures

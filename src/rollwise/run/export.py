@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollwise.config import load_config
+from rollwise.compose.config import load_config
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -38,7 +38,7 @@ def load_run_policy(run_dir: Path, step: int | None = None):
     checkpoint), LoRA folded in, on the CPU whatever device the run trained on (its
     checkpoints are plain safetensors): exporting or serving a GPU run needs no GPU."""
     from rollwise.learner.checkpoint import load_checkpoint
-    from rollwise.parts import build_policy
+    from rollwise.compose.parts import build_policy
     from rollwise.tasks import make_task
 
     run_dir = Path(run_dir)

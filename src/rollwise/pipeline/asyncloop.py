@@ -27,9 +27,9 @@ import threading
 import time
 
 from rollwise.control import Request
-from rollwise.loop import Collected, collect, learn, staleness_histogram
-from rollwise.rundir import Run, StepTimer
-from rollwise.stages import Stages
+from rollwise.pipeline.loop import Collected, collect, learn, staleness_histogram
+from rollwise.run.rundir import Run, StepTimer
+from rollwise.pipeline.stages import Stages
 from rollwise.types import EncodedPrompt, Group
 
 STALE_POLICIES = ("drop", "regenerate")

@@ -1,0 +1,7 @@
+"""The drivers, their stages and the composition root: `Stages` (one method per stage),
+`build` (a config becomes the stages, for a placement), the synchronous and asynchronous
+drivers (`loop`, `asyncloop`), the evaluator, `launch` (the one path from a config to a
+run being trained) and the crash test.
+
+May import everything below it; only front ends (`api`, `cli`, `serve`, `bench`) import it.
+"""
