@@ -81,13 +81,13 @@ FORGERIES = {
                        "def f(x):\n    return None\n"),
     # patches the runner's own functions in its memory, and the import system
     "runner_patch": ("import sys\n"
-                     "mods = getattr(sys.modules.get('__main__'), 'm', {})\n"
-                     "runner = mods.get('runner')\n"
-                     "if runner is not None:\n"
-                     "    runner.decode = lambda *a, **k: 1\n"
+                     "runner = sys.modules.get('rollwise.rewards.runner')\n"
+                     "canonical = sys.modules.get('rollwise.rewards.canonical')\n"
+                     "if runner is not None and canonical is not None:\n"
+                     "    runner.decode = canonical.decode = lambda *a, **k: 1\n"
                      "    runner.Link.call = lambda *a, **k: 1\n"
                      "    runner._run = lambda *a, **k: None\n"
-                     "    runner.encode = lambda value, depth=0: ['i', '1']\n"
+                     "    runner.encode = canonical.encode = lambda value, depth=0: ['i', '1']\n"
                      "class Finder:\n"
                      "    def find_spec(self, *a, **k):\n        raise ImportError('no')\n"
                      "sys.meta_path.insert(0, Finder())\n"
@@ -144,17 +144,17 @@ def test_early_exit_keeps_only_the_honest_passes(level) -> None:
 
 def test_the_tests_never_reach_the_code_and_values_are_canonical() -> None:
     """The runner's codec: exact built-in types only, rebuilt as genuine objects."""
-    from rollwise.rewards import runner
+    from rollwise.rewards import canonical
 
     value = {"a": [1, 2.5, (None, True)], 3: {frozenset({1}), b"x"}, "c": complex(1, -1)}
-    assert runner.decode(runner.encode(value)) == value
+    assert canonical.decode(canonical.encode(value)) == value
     for bad in (len, object(), type("I", (int,), {})(1), type("S", (str,), {})("a")):
         with pytest.raises(TypeError):
-            runner.encode(bad)
+            canonical.encode(bad)
     for forged in (["i", 1], "i1", "i1;x", "x1;", "l2:i1;", "s5:ab", "d1:N", "i--1;", "fabc;",
                    "l999999999:", "i" + "9" * 6000 + ";", "b3:zz"):
         with pytest.raises(ValueError):
-            runner.decode(forged)
+            canonical.decode(forged)
 
 
 # ---------------------------------------------------------------------------------------------

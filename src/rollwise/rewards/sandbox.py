@@ -26,6 +26,10 @@ What one execution does (docs/rewards.md says what this stops and what it does n
 Infrastructure failures (the sandbox could not start: an OSError, a wrapper that failed, a
 runner that timed out before it was ready) are not the model's fault: `execute` retries once
 and then raises `InfraError`, which the reward pool counts apart and masks.
+
+This module holds the limits, the detection and one execution; `wrappers.py` builds the
+namespace command lines, `verdict.py` talks to the started process and decides the verdict.
+It imports those two and `rewards.pool` (`InfraError`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,10 @@ from __future__ import annotations
 import atexit
 import marshal
 import os
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -49,6 +51,14 @@ from pathlib import Path
 from typing import Any
 
 from rollwise.rewards.pool import InfraError
+from rollwise.rewards.verdict import communicate, frame
+from rollwise.rewards.wrappers import (
+    LANDLOCK_READ,
+    hidden_dirs,
+    interpreter_paths,
+    interpreter_readable_by_others,
+    wrapper_argv,
+)
 
 ISOLATION_LEVELS = ("bwrap", "unshare", "landlock", "rlimits")
 SECURITY_BOUNDARY = ("bwrap", "unshare", "landlock")
@@ -119,60 +129,6 @@ class ExecResult:
         return self.status == "infra"
 
 
-# ---------------------------------------------------------------------------------------------
-# Where things are: the interpreter the code needs, the directories it must not see
-
-
-@lru_cache(maxsize=1)
-def interpreter_paths() -> tuple[str, ...]:
-    """The directories the runner's interpreter needs (prefixes, standard library, the real
-    executable's directory), real paths, none beneath another."""
-    paths = {os.path.realpath(p) for p in (
-        sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-        sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
-        os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(sys.executable))}
-    return tuple(sorted(p for p in paths
-                        if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths)))
-
-
-def hidden_dirs() -> list[str]:
-    """Directories replaced by an empty tmpfs under bwrap and unshare: the shared temporary
-    directories (writes there would outlive the execution and reach its siblings) and the
-    home directory (keys, tokens, history)."""
-    hide = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)]
-    home = os.path.realpath(os.path.expanduser("~"))
-    if home not in ("/", "") and os.path.isdir(home) and home not in hide:
-        hide.append(home)
-    return hide
-
-
-def _beneath(path: str, dirs: list[str]) -> bool:
-    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
-
-
-def readable_by_others(path: str) -> bool:
-    """Whether a user that owns nothing can reach `path` (every directory on the way
-    searchable by others): where the interpreter lives decides whether the dropped code's
-    lazy imports work."""
-    parts = Path(os.path.realpath(path)).parts
-    for i in range(1, len(parts) + 1):
-        try:
-            mode = os.stat(os.path.join(*parts[:i])).st_mode
-        except OSError:
-            return False
-        if not mode & 0o001:
-            return False
-    return True
-
-
-@lru_cache(maxsize=1)
-def _interpreter_readable_by_others() -> bool:
-    return all(readable_by_others(p) for p in interpreter_paths())
-
-
-LANDLOCK_READ = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime",
-                 "/dev/urandom", "/dev/random", "/dev/zero")
-
 
 # ---------------------------------------------------------------------------------------------
 # Detection
@@ -180,40 +136,6 @@ LANDLOCK_READ = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/l
 _detected: dict[str, Any] = {}
 _detect_lock = threading.Lock()
 _warned = False
-
-
-def _wrapper_argv(level: str, workdir: str) -> list[str]:
-    """The command line that puts the runner inside `level`'s namespaces."""
-    root = os.geteuid() == 0
-    if level == "bwrap":
-        argv = [shutil.which("bwrap") or "bwrap", "--unshare-ipc", "--unshare-pid",
-                "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-                "--die-with-parent", "--new-session", "--as-pid-1", "--ro-bind", "/", "/",
-                "--dev", "/dev", "--proc", "/proc"]
-        if not root:
-            argv[1:1] = ["--unshare-user"]
-        hide = hidden_dirs()
-        for path in hide:
-            argv += ["--tmpfs", path]
-        for path in interpreter_paths():  # the interpreter may live beneath one of them
-            if _beneath(path, hide):
-                # bwrap makes missing parents 0700: the code's user (nobody) must pass them
-                parents = [str(p) for p in reversed(Path(path).parents)
-                           if _beneath(str(p), hide) and str(p) not in hide]
-                for parent in parents:
-                    argv += ["--perms", "0755", "--dir", parent]
-                argv += ["--ro-bind", path, path]
-        argv += ["--bind", workdir, workdir, "--chdir", workdir]
-        if root:  # the code's process drops to nobody itself, which needs these two
-            argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-        return argv
-    if level == "unshare":
-        argv = [shutil.which("unshare") or "unshare"]
-        if not root:
-            argv += ["--user", "--map-root-user"]
-        return argv + ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
-                       "--mount-proc"]
-    return []
 
 
 def _layers_here() -> dict[str, Any]:
@@ -331,22 +253,23 @@ def warn_if_unisolated(level: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The program the sandbox runs: `confine` and `runner`, compiled here once and sent on stdin
+# The program the sandbox runs: `confine`, `canonical` and `runner`, compiled here once and
+# sent on stdin; each becomes a module under its own name (the runner imports `canonical`)
 
 BOOTSTRAP = ("import marshal,sys,types\n"
              "b=sys.stdin.buffer\n"
-             "m={}\n"
+             "m=sys.modules\n"
              "for n,c in marshal.loads(b.read(int(b.readline()))):\n"
              "    m[n]=types.ModuleType(n);exec(c,m[n].__dict__)\n"
-             "m['runner'].main(m['confine'])\n")
+             "m['rollwise.rewards.runner'].main(m['rollwise.rewards.confine'])\n")
 
 
 @lru_cache(maxsize=1)
 def _program() -> bytes:
     here = Path(__file__).parent
-    blob = marshal.dumps([(name, compile((here / f"{name}.py").read_text(),
-                                         f"<sandbox {name}>", "exec"))
-                          for name in ("confine", "runner")])
+    blob = marshal.dumps([(f"rollwise.rewards.{name}",
+                           compile((here / f"{name}.py").read_text(), f"<sandbox {name}>", "exec"))
+                          for name in ("confine", "canonical", "runner")])
     return f"{len(blob)}\n".encode() + blob
 
 
@@ -414,30 +337,13 @@ def run_tests(code: str, tests: str, entry_point: str, limits: SandboxLimits | N
             os.chown(workdir, NOBODY, NOBODY)
         setup, body, is_test = split_tests(tests)
         result.total = sum(is_test)
-        preimport = _wanted_imports(code, tests + "\n" + helpers)
-        payload = {
-            "code": code, "entry_point": entry_point, "preimport": preimport,
-            "drop_uid": use["drop_uid"], "nproc": int(limits.processes), "cpu_s": limits.cpu_s,
-            # as a user outside a user namespace the process-count limit counts all of the
-            # user's tasks (the trainer's threads too): the code gets `processes` more
-            "nproc_counts_user": os.geteuid() != 0 and level in ("landlock", "rlimits"),
-            # nobody cannot pass the directories above the interpreter and no mount namespace
-            # re-mounts it: the code's process imports through descriptors opened before
-            "imports_via_fds": bool(use["drop_uid"]) and level in ("landlock", "rlimits")
-            and not _interpreter_readable_by_others(),
-            # the runner stops the code a little before this process kills everything
-            "deadline": time.monotonic() + limits.wall_s - min(0.2, limits.wall_s / 4),
-            "landlock": {"read": [*interpreter_paths(), *LANDLOCK_READ],
-                         "write": [workdir, "/dev/null"]} if use["landlock"] else None,
-            "seccomp": use["seccomp"],
-            "mounts": {"hide": hidden_dirs(), "keep": list(interpreter_paths()),
-                       "writable": workdir} if use["mounts"] else None}
+        payload = _payload(code, tests + "\n" + helpers, entry_point, limits, level, use, workdir)
         # sent only once the code's process exists, so it never holds them
         secret = {"helpers": helpers, "setup": setup, "body": body, "is_test": is_test,
                   "entry_point": entry_point}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
                "TMPDIR": workdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-        argv = [*_wrapper_argv(level, workdir), sys.executable, "-I", "-S", "-B", "-c",
+        argv = [*wrapper_argv(level, workdir), sys.executable, "-I", "-S", "-B", "-c",
                 BOOTSTRAP]
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -449,134 +355,35 @@ def run_tests(code: str, tests: str, entry_point: str, limits: SandboxLimits | N
         except OSError as err:
             result.status, result.reason = "infra", f"cannot start the sandbox: {err}"
             return result
-        _communicate(proc, (_program() + _frame("payload", payload),
-                            _frame("tests", secret)), limits, start, result, is_test)
+        communicate(proc, (_program() + frame("payload", payload), frame("tests", secret)),
+                    limits, start, result, is_test)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         result.seconds = time.perf_counter() - start
     return result
 
 
-def _communicate(proc: subprocess.Popen, stdin: tuple[bytes, bytes], limits: SandboxLimits,
-                 start: float, result: ExecResult, is_test: list[bool]) -> None:
-    """Feed the program and the code, then the tests once the runner is ready; read the
-    runner's results (fd 1) and the code's output (fd 2) until the runner is done, a limit
-    is passed, or the deadline."""
-    cap = int(limits.output_kb) * 1024
-    deadline = start + limits.wall_s
-    _feed(proc, stdin[0], close=False)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, "results")
-    sel.register(proc.stderr, selectors.EVENT_READ, "output")
-    lines, output, seen = b"", [], 0
-    state: dict[str, Any] = {"passed": set()}
-    killed = None
-    try:
-        while sel.get_map() and "done" not in state:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                killed = "timeout"
-                break
-            for key, _ in sel.select(timeout=min(left, 0.5)):
-                chunk = os.read(key.fileobj.fileno(), 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                elif key.data == "results":
-                    lines += chunk
-                    *complete, lines = lines.split(b"\n")
-                    for line in complete:
-                        _take(line, state, is_test)
-                    if "ready" in state and proc.stdin and not proc.stdin.closed:
-                        _feed(proc, stdin[1], close=True)
-                    if len(lines) > 1 << 20:  # the runner writes short lines
-                        lines = b""
-                else:
-                    seen += len(chunk)
-                    if seen > cap:
-                        killed = "output_limit"
-                        break
-                    output.append(chunk)
-            if killed:
-                break
-    finally:
-        sel.close()
-        if "done" in state:  # the runner reaped everything and exits: let its wrapper reap
-            try:            # it, or a killed runner becomes a zombie of init's (a container's
-                proc.wait(timeout=1.0)  # init may never reap it)
-            except subprocess.TimeoutExpired:
-                pass
-        _kill_group(proc)
-    result.output = b"".join(output).decode("utf-8", "replace")[:cap]
-    _verdict(result, state, killed, proc.returncode, limits)
-
-
-def _frame(kind: str, message: dict) -> bytes:
-    """One length-prefixed marshal message for the runner (trusted data, plain types)."""
-    data = marshal.dumps(message)
-    return f"{kind} {len(data)}\n".encode() + data
-
-
-def _feed(proc: subprocess.Popen, data: bytes, close: bool) -> None:
-    try:
-        proc.stdin.write(data)
-        proc.stdin.flush()
-        if close:
-            proc.stdin.close()
-    except OSError:
-        pass  # the runner died before reading; its exit says why
-
-
-def _take(line: bytes, state: dict[str, Any], is_test: list[bool]) -> None:
-    """One result line of the runner (fd 1: only the runner writes there):
-    ``<kind> <fields>``, e.g. ``passed 3`` or ``ended cpu_limit CPU time limit 2s``."""
-    kind, _, rest = line.decode("utf-8", "replace").partition(" ")
-    if kind == "passed":
-        if rest.isascii() and rest.isdigit() and int(rest) < len(is_test) and is_test[int(rest)]:
-            state["passed"].add(int(rest))  # a set: one pass per test at most
-    elif kind == "fail":
-        state.setdefault("fails", []).append(rest.partition(" ")[2])
-    elif kind == "abort":
-        state["abort"] = rest.partition(" ")[2]
-    elif kind == "ended":
-        state["ended"] = rest.partition(" ")[::2]  # (kind, why)
-    elif kind in ("ready", "done", "load_error", "infra"):
-        state[kind] = rest
-
-
-def _verdict(result: ExecResult, state: dict[str, Any], killed: str | None, rc: int | None,
-             limits: SandboxLimits) -> None:
-    result.passed = min(len(state["passed"]), result.total)
-    fails = state.get("fails", [])
-    result.details = [f"fail: {why}" for why in fails]
-    if fails:
-        result.reason = f"test failed: {fails[0]}"
-    ready = "ready" in state
-    if killed == "output_limit":
-        result.status, result.reason = "output_limit", f"output over {limits.output_kb} KiB"
-    elif "infra" in state:
-        result.status, result.reason = "infra", state["infra"]
-    elif "load_error" in state:
-        result.status = "load_error"
-        result.reason = f"the code does not load: {state['load_error']}"
-    elif "ended" in state:
-        kind, why = state["ended"]
-        result.status = kind if kind in ("timeout", "cpu_limit") else "crashed"
-        result.reason = f"wall time limit {limits.wall_s:g}s" if kind == "timeout" else why
-    elif "abort" in state:
-        result.status, result.reason = "failed", f"test setup failed: {state['abort']}"
-    elif "done" in state:
-        result.status = "ok" if result.passed == result.total and result.total else "failed"
-        if not result.total:
-            result.reason = "the tests hold no assert"
-    elif not ready:
-        result.status = "infra"
-        result.reason = (f"the sandbox did not start within {limits.wall_s:g}s" if killed
-                         else f"sandbox exited with {rc} before its runner started: "
-                              f"{result.output[-300:]!r}")
-    elif killed == "timeout":
-        result.status, result.reason = "timeout", f"wall time limit {limits.wall_s:g}s"
-    else:
-        result.status, result.reason = "crashed", f"the runner ended early (exit {rc})"
+def _payload(code: str, tests: str, entry_point: str, limits: SandboxLimits, level: str,
+             use: dict[str, Any], workdir: str) -> dict[str, Any]:
+    """What the runner gets first: the code and how to confine the code's process (`tests`
+    with the helpers only say which modules to import beforehand)."""
+    return {
+        "code": code, "entry_point": entry_point, "preimport": _wanted_imports(code, tests),
+        "drop_uid": use["drop_uid"], "nproc": int(limits.processes), "cpu_s": limits.cpu_s,
+        # as a user outside a user namespace the process-count limit counts all of the
+        # user's tasks (the trainer's threads too): the code gets `processes` more
+        "nproc_counts_user": os.geteuid() != 0 and level in ("landlock", "rlimits"),
+        # nobody cannot pass the directories above the interpreter and no mount namespace
+        # re-mounts it: the code's process imports through descriptors opened before
+        "imports_via_fds": bool(use["drop_uid"]) and level in ("landlock", "rlimits")
+        and not interpreter_readable_by_others(),
+        # the runner stops the code a little before this process kills everything
+        "deadline": time.monotonic() + limits.wall_s - min(0.2, limits.wall_s / 4),
+        "landlock": {"read": [*interpreter_paths(), *LANDLOCK_READ],
+                     "write": [workdir, "/dev/null"]} if use["landlock"] else None,
+        "seccomp": use["seccomp"],
+        "mounts": {"hide": hidden_dirs(), "keep": list(interpreter_paths()),
+                   "writable": workdir} if use["mounts"] else None}
 
 
 def _set_limits(limits: SandboxLimits):
@@ -595,16 +402,6 @@ def _set_limits(limits: SandboxLimits):
 
     return apply
 
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 
