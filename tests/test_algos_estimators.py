@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from rollwise.algos import accepts, advantage_estimators, call_estimator
+from rollwise.algos import (
+    AdvantageInputs,
+    advantage_estimators,
+    call_estimator,
+    inputs_of,
+    register,
+    uses,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -246,7 +253,7 @@ def test_drpo_matches_reference_and_keeps_correct_rollouts_positive() -> None:
     adv = fn(rewards, groups, lengths=lengths, lam=lam)
     assert (adv[torch.tensor(correct) == 1][:4] > 0).all()  # group 0's correct stay positive
     assert float(adv[1]) > float(adv[0])  # shorter correct (5 tokens) above longer (30)
-    assert accepts(fn, "lengths") and not accepts(advantage_estimators["grpo"], "lengths")
+    assert inputs_of(fn) == ("lengths",) and inputs_of(advantage_estimators["grpo"]) == ()
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
@@ -274,16 +281,42 @@ def test_pass_at_k_matches_subset_enumeration(k: int) -> None:
 def test_call_estimator_passes_only_named_inputs_and_splits_keep() -> None:
     seen = {}
 
+    @uses("lengths")
     def needs_lengths(rewards, group_ids, *, lengths, scale=1.0):
         seen.update(lengths=lengths, scale=scale)
         return rewards * scale
 
     r, g = torch.tensor([1.0, 2.0]), torch.tensor([0, 0])
-    inputs = {"lengths": torch.tensor([3, 4]), "mask": torch.ones(2, 3)}
+    inputs = AdvantageInputs(lengths=torch.tensor([3, 4]), mask=torch.ones(2, 3))
     adv, keep = call_estimator(needs_lengths, r, g, inputs, {"scale": 2.0})
     assert adv.tolist() == [2.0, 4.0] and keep is None and seen["lengths"].tolist() == [3, 4]
     adv, keep = call_estimator(advantage_estimators["mc_grpo"], r, g, inputs)
     assert keep is not None and keep.tolist() == [False, True]
+
+
+def _lengths_estimator(rewards, group_ids, *, lengths, scale=1.0):
+    return rewards * scale / lengths
+
+
+def _fresh():
+    """A new function object each call (`uses` marks the function it decorates)."""
+    return lambda rewards, group_ids, *, lengths, scale=1.0: rewards * scale / lengths
+
+
+def test_an_input_typo_fails_at_registration_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"advantage estimator 'typo': uses input 'lenghts' "
+                                         r"\(did you mean 'lengths'\?\), which is no field of "
+                                         r"AdvantageInputs; inputs: mask, lengths, "):
+        register(advantage_estimators, "typo")(uses("lenghts")(_fresh()))
+    with pytest.raises(ValueError, match=r"'undeclared': keyword 'lengths' is an input: declare "
+                                         r"it with @rollwise.algos.uses\('lengths'\)"):
+        register(advantage_estimators, "undeclared")(_fresh())
+    with pytest.raises(ValueError, match="uses input 'mask' but has no keyword parameter"):
+        register(advantage_estimators, "no_param")(uses("lengths", "mask")(_fresh()))
+    assert not {"typo", "undeclared", "no_param"} & set(advantage_estimators)
+    # the same check for an estimator loaded by import path
+    with pytest.raises(ValueError, match="keyword 'lengths' is an input"):
+        advantage_estimators.get(f"{__name__}:_lengths_estimator")
 
 
 def test_every_estimator_is_documented_with_a_formula_and_a_paper() -> None:

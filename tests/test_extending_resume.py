@@ -38,11 +38,12 @@ def token_penalty(trajectories, *, limit: int, scale: float = 1.0) -> list[float
     return [-scale * max(t.num_tokens - limit, 0) / 10 for t in trajectories]
 
 
+@rollwise.algos.uses("lengths")
 def centered(rewards: torch.Tensor, group_ids: torch.Tensor, *, lengths: torch.Tensor,
              scale: float = 1.0) -> torch.Tensor:
     """A user's advantage estimator: the reward minus its group's mean, times `scale`, over
-    the square root of the response length (`lengths`, an input rollwise passes by name;
-    a keyword without a default, which the signature check once refused)."""
+    the square root of the response length (`lengths`, an input it declares; a keyword
+    without a default, which the signature check once refused)."""
     groups = int(group_ids.max()) + 1
     sums = torch.zeros(groups).index_add_(0, group_ids, rewards)
     counts = torch.zeros(groups).index_add_(0, group_ids, torch.ones_like(rewards))

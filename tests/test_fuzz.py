@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollwise.algos import advantage_estimators, policy_losses
+from rollwise.algos import AdvantageInputs, advantage_estimators, policy_losses
 from rollwise.algos.advantages import call_estimator
 from rollwise.compose.config import Config, ConfigError, flatten, load_config, validate_config
 from rollwise.compose.preflight import check_config
@@ -203,7 +203,8 @@ def batches(draw):
 def _estimators(batch, name):
     rewards, group_ids, t, lengths = batch
     mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
-    inputs = {"mask": mask, "lengths": lengths.float(), "token_rewards": torch.zeros_like(mask)}
+    inputs = AdvantageInputs(mask=mask, lengths=lengths.float(),
+                             token_rewards=torch.zeros_like(mask))
     try:
         adv, _ = call_estimator(advantage_estimators[name], rewards, group_ids, inputs)
     except ValueError as e:

@@ -22,6 +22,7 @@ import difflib
 import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -44,25 +45,55 @@ def unknown_name_error(kind: str, name: str, accepted: list[str]) -> ValueError:
     return ValueError(f"unknown {kind} {name!r}{hint}; accepted: {', '.join(sorted(accepted))}")
 
 
-def accepted_options(fn: Callable, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of `options` that `fn` takes as keywords (all of them if it has **kwargs).
+@dataclass(frozen=True)
+class Options:
+    """The keyword options a callable takes: `defaults` maps each option's name to its
+    default (`REQUIRED` when it has none), in signature order; `open` when it also takes
+    **kwargs, so any option."""
 
-    >>> accepted_options(lambda x, *, k=1: x, {"k": 2, "other": 3})
+    defaults: dict[str, Any]
+    open: bool = False
+
+    def takes(self, name: str) -> bool:
+        return self.open or name in self.defaults
+
+    def pick(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of `options` it takes."""
+        return {k: v for k, v in options.items() if self.takes(k)}
+
+
+REQUIRED = inspect.Parameter.empty
+
+
+def options_of(fn: Callable, *, passes: tuple[str, ...] = (),
+               inputs: tuple[str, ...] = ()) -> Options:
+    """The one reading of a signature for options: the keywords `fn` takes after the
+    `passes` positional arguments rollwise gives it, `inputs` (keywords rollwise fills
+    itself) left out. A builtin without a signature is trusted to take anything.
+
+    >>> o = options_of(lambda x, *, k=1, **kw: x, passes=("x",)); o.defaults, o.open
+    ({'k': 1}, True)
+    >>> options_of(lambda x, *, k=1: x).pick({"k": 2, "other": 3})
     {'k': 2}
     """
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(options)
-    return {k: v for k, v in options.items() if k in params}
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return Options({}, open=True)
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    taken = {p.name for p in positional[: len(passes)]} | set(inputs)
+    return Options({p.name: p.default for p in params
+                    if p.kind in keyword and p.name not in taken},
+                   open=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params))
 
 
 def options_misfit(fn: Callable, options: Mapping[str, Any], *, passes: tuple[str, ...] = (),
                    inputs: tuple[str, ...] = ()) -> str | None:
-    """Why `fn` cannot take the keyword `options` (a config's options table), or None.
-    `passes`: the positional arguments rollwise gives it first; `inputs`: keywords rollwise
-    fills itself when the signature names them (they are not options). Wrong: an option it
-    has no parameter for (with the closest one it has), an option naming an input, or a
-    parameter without a default that neither an option nor an input fills.
+    """Why `fn` cannot take the keyword `options` (a config's options table), or None;
+    `passes` and `inputs` as in `options_of`. Wrong: an option it has no parameter for
+    (with the closest one it has), an option naming an input, or a parameter without a
+    default that no option fills.
 
     >>> def term(trajectories, *, limit: int, scale: float = 1.0): ...
     >>> options_misfit(term, {"limt": 6}, passes=("trajectories",))
@@ -70,34 +101,20 @@ def options_misfit(fn: Callable, options: Mapping[str, Any], *, passes: tuple[st
     >>> options_misfit(term, {}, passes=("trajectories",))
     "option 'limit' has no default and is not set; its options: limit, scale"
     """
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # builtins without a signature: trust them
-        return None
-    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-    taken = {p.name for p in positional[: len(passes)]}
-    named = [p for p in params if p.kind in keyword and p.name not in taken]
-    own = [p.name for p in named if p.name not in inputs]
+    spec = options_of(fn, passes=passes, inputs=inputs)
+    own = list(spec.defaults)
     listed = f"; its options: {', '.join(own)}" if own else "; it takes no options"
     for option in options:
         if option in inputs:
             return f"option {option!r} is an input rollwise passes itself, not an option"
-        if option not in own and not any(p.kind is inspect.Parameter.VAR_KEYWORD
-                                         for p in params):
+        if not spec.takes(option):
             close = difflib.get_close_matches(option, own, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             return f"no option {option!r}{hint}{listed}"
-    for p in named:
-        if p.default is inspect.Parameter.empty and p.name not in options \
-                and p.name not in inputs:
-            return f"option {p.name!r} has no default and is not set{listed}"
+    for name, default in spec.defaults.items():
+        if default is REQUIRED and name not in options:
+            return f"option {name!r} has no default and is not set{listed}"
     return None
-
-
-def accepts(fn: Callable, name: str) -> bool:
-    """Whether `fn` takes keyword `name` (by name, or through **kwargs)."""
-    return name in accepted_options(fn, {name: None})
 
 
 def import_object(path: str, kind: str) -> Callable:
@@ -122,12 +139,15 @@ class Registry(Mapping[str, T], Generic[T]):
     to each (checked for code loaded by import path); `keywords`: keyword arguments it
     passes besides (e.g. a task builder's seed and split sizes); `options`: whether the
     config gives each its own options besides (a parameter without a default is then one
-    to set there, checked with `options_misfit`, not a misfit)."""
+    to set there, checked with `options_misfit`, not a misfit); `check`: what else this
+    kind requires of a callable (a reason, or None), applied when one is registered (a
+    ValueError at import) and when one is imported by path."""
 
     def __init__(self, kind: str, *, takes: tuple[str, ...] = (),
-                 keywords: tuple[str, ...] = (), options: bool = False):
+                 keywords: tuple[str, ...] = (), options: bool = False,
+                 check: Callable[[Callable], str | None] | None = None):
         self.kind, self.takes, self.keywords = kind, takes, keywords
-        self.options = options
+        self.options, self.check = options, check
         self._items: dict[str, T] = {}
         self._imported: dict[str, T] = {}
 
@@ -136,6 +156,9 @@ class Registry(Mapping[str, T], Generic[T]):
         def add(thing: T) -> T:
             if name in self._items:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
+            problem = self.check(thing) if self.check is not None else None
+            if problem:
+                raise ValueError(f"{self.kind} {name!r}: {problem}")
             self._items[name] = thing
             return thing
 
@@ -184,4 +207,4 @@ class Registry(Mapping[str, T], Generic[T]):
         except TypeError as e:
             wanted = ", ".join([*self.takes, *(f"{k}=" for k in self.keywords)])
             return f"signature {signature} cannot take ({wanted}): {e}"
-        return None
+        return self.check(fn) if self.check is not None else None

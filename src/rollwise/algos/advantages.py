@@ -1,22 +1,11 @@
-"""Advantage estimators: fn(rewards [N], group_ids [N], **options) -> advantages.
+"""Advantage estimators: fn(rewards [N], group_ids [N], **inputs, **options) -> advantages.
 
 Every estimator sees the flat batch of rewards and the group each one belongs to, so a
 group need not be contiguous and groups may differ in size. Outcome-level estimators
-return [N]. Token-level ones return [N, T] and take what else they need by keyword:
-
-    mask [N, T]           1 on response tokens (the learner's loss mask)
-    lengths [N]           response lengths in tokens
-    token_rewards [N, T]  per-token rewards, e.g. -beta * KL_t when the KL is in the reward
-
-and, for multi-turn episodes (docs/agents.md):
-
-    turns [N, T]          long, the policy turn each sampled token belongs to (-1 elsewhere)
-    step_rewards [N, K]   the environment's reward after each turn (0 past a row's turns)
-    anchors [N, K]        long, id of the state each turn acted in (equal ids: the same
-                          state; -1 past a row's turns)
-    trees [N]             long, Tree-GRPO: which tree of its group each row is a leaf of
-
-The caller passes only the keywords an estimator's signature names. An estimator that
+return [N]. Token-level ones return [N, T] and take what else they need by keyword: the
+fields of `AdvantageInputs` (algos/inputs.py: mask, lengths, token_rewards, and for
+multi-turn episodes turns, step_rewards, anchors, trees) they declare with `@uses`.
+`call_estimator` passes those and the options. An estimator that
 excludes rows from the gradient altogether (MC-GRPO's pivot) returns a pair
 (advantages, keep [N] bool); the caller drops the rows where keep is False.
 
@@ -31,8 +20,8 @@ import math
 
 import torch
 
+from rollwise.algos.inputs import AdvantageInputs, inputs_of, uses
 from rollwise.algos.registry import advantage_estimators, register
-from rollwise.registry import accepted_options, accepts  # noqa: F401 (re-exported)
 
 
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +86,7 @@ def _last_token(mask: torch.Tensor) -> torch.Tensor:
 
 
 @register(advantage_estimators, "reinforce_pp")
+@uses("mask", "token_rewards")
 def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, *,
                  mask: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None,
                  gamma: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
@@ -123,6 +113,7 @@ def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, *,
 
 
 @register(advantage_estimators, "reinforce_pp_baseline")
+@uses("mask", "token_rewards")
 def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, *,
                           mask: torch.Tensor | None = None,
                           token_rewards: torch.Tensor | None = None,
@@ -189,6 +180,7 @@ def mc_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: str = "mad
 
 
 @register(advantage_estimators, "drpo")
+@uses("lengths")
 def drpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, lengths: torch.Tensor,
          lam: float = 1.0, correct_threshold: float = 0.5, eps: float = 1e-6) -> torch.Tensor:
     """DRPO (Li et al., arXiv 2510.04474), decoupled length reward: the length signal is
@@ -247,6 +239,7 @@ def pass_at_k(rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 4,
 
 
 @register(advantage_estimators, "gigpo")
+@uses("turns", "step_rewards", "anchors", "mask")
 def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
           turns: torch.Tensor | None = None, step_rewards: torch.Tensor | None = None,
           anchors: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -297,6 +290,7 @@ def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
 
 
 @register(advantage_estimators, "tree_grpo")
+@uses("trees")
 def tree_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
               trees: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """Tree-GRPO (Ji et al., arXiv 2509.21240): rollouts as trees that branch at turn
@@ -318,20 +312,15 @@ def tree_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
     return ((r - mean_t) / (std_t + eps) + (r - mean_g) / (std_g + eps)).to(rewards.dtype)
 
 
-# The keywords rollwise fills itself when an estimator's signature names them (see the
-# module docstring); every other keyword parameter is an option (algorithm.advantage_options).
-INPUTS = ("mask", "lengths", "token_rewards", "turns", "step_rewards", "anchors", "trees")
-
-
 def call_estimator(fn, rewards: torch.Tensor, group_ids: torch.Tensor,
-                   inputs: dict[str, torch.Tensor], options: dict | None = None,
+                   inputs: AdvantageInputs, options: dict | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Call an estimator with those keyword `inputs` its signature names, plus `options`;
-    returns (advantages, keep or None)."""
+    """Call an estimator with the `inputs` it declared (`uses`), plus `options`; returns
+    (advantages, keep or None)."""
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if bad:  # every estimator would spread a NaN over its group or batch
         raise ValueError(f"non-finite rewards at rows {bad[:5]} (values "
                          f"{[float(rewards[i]) for i in bad[:5]]}); a reward term returned NaN "
                          "or inf")
-    out = fn(rewards, group_ids, **accepted_options(fn, inputs), **(options or {}))
+    out = fn(rewards, group_ids, **inputs.pick(inputs_of(fn)), **(options or {}))
     return out if isinstance(out, tuple) else (out, None)

@@ -1,14 +1,44 @@
 """Name registries for the algorithm functions. One signature per kind (see each module);
-`takes` is what the learner passes positionally, checked for users' own functions."""
+`takes` is what the learner passes positionally, checked for users' own functions.
+Imports `rollwise.registry` (the registry idiom, itself importing nothing of rollwise) and
+algos/ only."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 
-from rollwise.registry import Registry
+from rollwise.algos.inputs import INPUT_NAMES, inputs_of
+from rollwise.registry import Registry, options_of
+
+ESTIMATOR_TAKES = ("rewards", "group_ids")
+
+
+def estimator_misfit(fn: Callable) -> str | None:
+    """Why an estimator's inputs do not fit, or None: a declared input (`uses`) that is no
+    field of `AdvantageInputs` (with the closest field) or that its signature cannot take,
+    or a keyword named like an input that it did not declare (it would be read as an
+    option and never filled)."""
+    declared = inputs_of(fn)
+    for name in declared:
+        if name not in INPUT_NAMES:
+            close = difflib.get_close_matches(name, INPUT_NAMES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return (f"uses input {name!r}{hint}, which is no field of AdvantageInputs; "
+                    f"inputs: {', '.join(INPUT_NAMES)}")
+    spec = options_of(fn, passes=ESTIMATOR_TAKES)
+    for name in declared:
+        if not spec.takes(name):
+            return f"uses input {name!r} but has no keyword parameter {name!r}"
+    for name in spec.defaults:
+        if name in INPUT_NAMES and name not in declared:
+            return (f"keyword {name!r} is an input: declare it with "
+                    f"@rollwise.algos.uses({name!r}) (else it is never filled)")
+    return None
+
 
 advantage_estimators: Registry[Callable] = Registry(
-    "advantage estimator", takes=("rewards", "group_ids"), options=True)
+    "advantage estimator", takes=ESTIMATOR_TAKES, options=True, check=estimator_misfit)
 policy_losses: Registry[Callable] = Registry(
     "policy loss", takes=("logprobs", "old_logprobs", "advantages", "mask"))
 kl_estimators: Registry[Callable] = Registry("KL estimator", takes=("logprobs", "ref_logprobs"))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rollwise.compose.config import Config, ConfigError
-from rollwise.registry import accepted_options, options_misfit
+from rollwise.registry import options_misfit, options_of
 
 # What the controller calls on an allocator (docs/extending.md, rollwise/control/allocators.py)
 ALLOCATOR_METHODS = ("plan", "observe", "train_groups", "max_rollouts", "state_dict",
@@ -46,7 +46,7 @@ def _known(key: str, name: str, registry, kind: str = "") -> None:
 
 def _check_algorithms(cfg: Config) -> None:
     from rollwise.algos import advantage_estimators, corrections, kl_estimators, policy_losses
-    from rollwise.algos.advantages import INPUTS
+    from rollwise.algos.inputs import INPUT_NAMES
 
     a = cfg.algorithm
     _known("algorithm.advantage", a.advantage, advantage_estimators, "advantage estimator")
@@ -55,7 +55,7 @@ def _check_algorithms(cfg: Config) -> None:
     if a.correction not in ("none", "auto"):  # auto: rollwise.compose.precision decides
         _known("algorithm.correction", a.correction, corrections, "correction")
     problem = options_misfit(advantage_estimators.get(a.advantage), a.advantage_options,
-                             passes=advantage_estimators.takes, inputs=INPUTS)
+                             passes=advantage_estimators.takes, inputs=INPUT_NAMES)
     if problem:
         raise ConfigError(f"algorithm.advantage_options: advantage estimator "
                           f"{a.advantage!r}: {problem}")
@@ -110,7 +110,7 @@ def _check_allocator(cfg: Config) -> None:
         raise ConfigError(f"control.allocator: allocator {name!r} lacks {', '.join(missing)}; "
                           f"an allocator class has a name and the methods "
                           f"{', '.join(ALLOCATOR_METHODS)} (docs/extending.md)")
-    problem = options_misfit(cls, accepted_options(cls, allocator_options(cfg)))
+    problem = options_misfit(cls, options_of(cls).pick(allocator_options(cfg)))
     if problem:
         raise ConfigError(f"control.allocator: allocator {name!r}: {problem} (an allocator's "
                           "constructor takes control options by name)")

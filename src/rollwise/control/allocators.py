@@ -21,12 +21,11 @@ Formulas and config keys: docs/allocation.md. Summary, with P prompts per step, 
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
 from rollwise.control.controller import Controller, Group, Request, prompt_id
-from rollwise.registry import Registry, accepted_options, unknown_name_error
+from rollwise.registry import Registry, options_of, unknown_name_error
 
 
 def _requests(prompts: list, n: int) -> list[Request]:
@@ -419,8 +418,8 @@ def make_allocator(name: str, **options: Any):
     another allocator are left out; an option no allocator takes is an error (a typo would
     otherwise vanish)."""
     cls = ALLOCATORS.get(name)
-    known = {p for c in [*ALLOCATORS.values(), cls] for p in inspect.signature(c).parameters}
+    known = {p for c in [*ALLOCATORS.values(), cls] for p in options_of(c).defaults}
     for option in options:
         if option not in known:
             raise unknown_name_error("allocator option", option, sorted(known))
-    return cls(**accepted_options(cls, options))
+    return cls(**options_of(cls).pick(options))

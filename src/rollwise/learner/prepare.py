@@ -1,11 +1,11 @@
 """From scored groups to the learner's `Batch`: advantages through the estimator registry.
 
     groups -> padded Batch -> (truncated rows masked) -> (KL in the reward)
-           -> estimator(rewards, group_ids, **the inputs it names) -> advantages
+           -> estimator(rewards, group_ids, **the inputs it uses) -> advantages
            -> rows the estimator excluded (keep False) dropped
 
-Nothing here special-cases an estimator by name: the inputs an estimator receives are the
-ones its signature asks for (see `rollwise.algos.advantages`).
+Nothing here special-cases an estimator by name: the `AdvantageInputs` are built for the
+ones an estimator declares (`rollwise.algos.uses`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from rollwise.algos import accepts, call_estimator
+from rollwise.algos import AdvantageInputs, call_estimator, inputs_of
 from rollwise.learner.batch import collate, take_rows
 from rollwise.types import Batch, Group, Trajectory
 
@@ -38,15 +38,16 @@ def prepare_batch(groups: list[Group], estimator: Callable, *, pad_id: int,
     if mask_truncated:
         truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
         batch.loss_mask[truncated] = 0
-    inputs = {"mask": batch.loss_mask,
-              # sampled tokens only (a multi-turn episode's observations are not its length)
-              "lengths": torch.tensor([sum(t.sampled_mask) for t in trajs], dtype=torch.float32)}
-    inputs |= episode_inputs(trajs, batch.loss_mask.shape[1], estimator)
+    token_rewards = None
     if reference_kl is not None and kl_coef > 0:
         token_rewards = -kl_coef * reference_kl(batch).float() * batch.loss_mask
-        inputs["token_rewards"] = token_rewards
-        if not accepts(estimator, "token_rewards"):
+        if "token_rewards" not in inputs_of(estimator):
             rewards = rewards + token_rewards.sum(-1)
+    inputs = AdvantageInputs(
+        mask=batch.loss_mask, token_rewards=token_rewards,
+        # sampled tokens only (a multi-turn episode's observations are not its length)
+        lengths=torch.tensor([sum(t.sampled_mask) for t in trajs], dtype=torch.float32),
+        **episode_inputs(trajs, batch.loss_mask.shape[1], inputs_of(estimator)))
     adv, keep = call_estimator(estimator, rewards, group_ids, inputs, options)
     batch.advantages = adv.detach().float()
     record_advantages(trajs, batch.advantages, batch.loss_mask, keep)
@@ -67,14 +68,15 @@ def record_advantages(trajs: list[Trajectory], advantages: torch.Tensor, mask: t
         traj.advantage = value if keep is None or bool(keep[i]) else None
 
 
-def episode_inputs(trajs: list[Trajectory], width: int, estimator: Callable
+def episode_inputs(trajs: list[Trajectory], width: int, wanted: tuple[str, ...]
                    ) -> dict[str, torch.Tensor]:
-    """The multi-turn inputs (`turns`, `step_rewards`, `anchors`, `trees`) an estimator's
-    signature names, from the trajectories' turn records (algos/advantages.py). A
-    single-turn trajectory is one turn with the whole reward, in its prompt's state."""
+    """Those of the multi-turn inputs (`turns`, `step_rewards`, `anchors`, `trees`) named in
+    `wanted` (the estimator's declared inputs), from the trajectories' turn records
+    (algos/inputs.py). A single-turn trajectory is one turn with the whole reward, in its
+    prompt's state."""
     out: dict[str, torch.Tensor] = {}
     n = len(trajs)
-    if accepts(estimator, "turns"):
+    if "turns" in wanted:
         turns = torch.full((n, width), -1, dtype=torch.long)
         for i, t in enumerate(trajs):
             p = len(t.prompt_ids)
@@ -82,13 +84,13 @@ def episode_inputs(trajs: list[Trajectory], width: int, estimator: Callable
                 turns[i, p + a: p + b] = k
         out["turns"] = turns
     k_max = max((t.num_turns for t in trajs), default=1)
-    if accepts(estimator, "step_rewards"):
+    if "step_rewards" in wanted:
         rewards = torch.zeros((n, k_max), dtype=torch.float64)
         for i, t in enumerate(trajs):
             rewards[i, : t.num_turns] = torch.tensor(t.turn_rewards or [t.reward],
                                                      dtype=torch.float64)
         out["step_rewards"] = rewards
-    if accepts(estimator, "anchors"):
+    if "anchors" in wanted:
         ids: dict[str, int] = {}
         anchors = torch.full((n, k_max), -1, dtype=torch.long)
         for i, t in enumerate(trajs):
@@ -96,6 +98,6 @@ def episode_inputs(trajs: list[Trajectory], width: int, estimator: Callable
             anchors[i, : len(states)] = torch.tensor([ids.setdefault(s, len(ids))
                                                       for s in states])
         out["anchors"] = anchors
-    if accepts(estimator, "trees"):
+    if "trees" in wanted:
         out["trees"] = torch.tensor([t.tree for t in trajs], dtype=torch.long)
     return out

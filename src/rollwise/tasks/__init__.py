@@ -7,12 +7,11 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 from rollwise.tasks.agents import build_calc_tool, build_guess, build_lookup
-from rollwise.registry import Registry, unknown_name_error
+from rollwise.registry import Registry, options_misfit, options_of
 from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
 from rollwise.tasks.base import Task, TaskSetup
 from rollwise.tasks.code import build_humaneval, build_pycode
@@ -41,8 +40,7 @@ def task_options(name: str) -> dict[str, Any]:
     >>> task_options("arith")
     {'digits': 2, 'terms': 2, 'ops': '+', 'style': None}
     """
-    params = list(inspect.signature(TASKS.get(name)).parameters.values())[1:]  # not the setup
-    return {p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return options_of(TASKS.get(name), passes=TASKS.takes).defaults
 
 
 def make_task(
@@ -66,15 +64,13 @@ def make_task(
     ...
     ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, calc_tool, countdown, file, guess, humaneval, lookup, pycode, reasoning_gym, verifiers, or "package.module:function"
     """
-    accepted = task_options(name)
+    builder = TASKS.get(name)
     if path is not None:
         options["path"] = path
-    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD
-                     for p in inspect.signature(TASKS.get(name)).parameters.values())
-    for option in options:
-        if option not in accepted and not open_ended:  # **options: the builder checks them
-            raise unknown_name_error(f"option of task {name!r}:", option, list(accepted))
-    return TASKS.get(name)(TaskSetup(seed, num_train, num_eval, chat), **options)
+    problem = options_misfit(builder, options, passes=TASKS.takes)  # **options: its own check
+    if problem:
+        raise ValueError(f"task {name!r}: {problem}")
+    return builder(TaskSetup(seed, num_train, num_eval, chat), **options)
 
 
 __all__ = ["TASKS", "DatasetError", "Task", "TaskSetup", "load_samples", "make_task",
