@@ -16,8 +16,8 @@ import torch
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.models import load_policy
 from rollwise.serve import EPISODE_HEADER, Limits, RolloutServer
-from rollwise.serve.app import _chat_message
 from rollwise.serve.choices import ChoiceResult
+from rollwise.serve.routes_openai import _chat_message
 from rollwise.serve.text import TextTracker, parse_tool_calls, render_chat
 
 KEY = "test-key"

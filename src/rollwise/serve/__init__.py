@@ -3,9 +3,10 @@ rollout service (/v1/rollouts, recorded episodes) that training uses. See docs/s
 
 from __future__ import annotations
 
-from rollwise.serve.app import EPISODE_HEADER, Limits, RolloutServer
 from rollwise.serve.model import Served, load_served
 from rollwise.serve.records import as_trajectory
+from rollwise.serve.routes_openai import EPISODE_HEADER
+from rollwise.serve.server import Limits, RolloutServer
 
 
 def make_server(model: str, *, step: int | None = None, dtype: str = "float32",

@@ -4,10 +4,12 @@ strings end it early (the driver aborts it), text comes out as it may be shown."
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from rollwise.engine.base import SamplingParams
+from rollwise.engine.sampling import derive_seed
 from rollwise.serve.driver import Done, EngineDriver, Event, Failed, Handle, Tokens
 from rollwise.serve.text import TextTracker
 
@@ -72,6 +74,14 @@ class ChoiceState:
         self.result = ChoiceResult(self.prompt_ids, list(t.ids), list(t.logprobs),
                                    list(t.versions), reason, t.text)
         return False
+
+
+def sequence_seed(base: int | None, index: int) -> int:
+    """The seed of sequence `index` of a call seeded `base`: the same as the engine's own
+    `generate(prompts, SamplingParams(n=n, seed=base))` gives that sequence. Unseeded calls
+    draw from the OS, never from torch's global generator (a trainer in the same process
+    keeps its own random stream)."""
+    return secrets.randbits(62) if base is None else derive_seed(base % 2**64, index)
 
 
 def start_sync(driver: EngineDriver, tokenizer, prompt_ids: list[int], params: SamplingParams,
