@@ -16,13 +16,13 @@ def _config(tmp_path, *extra):
         f"run.output_dir='{tmp_path}'", "run.threads=1", "model.name='tiny'",
         "task.name='guess'", "task.options={high=8, max_guesses=3}", "task.num_train=64",
         "task.num_eval=8", "rollout.prompts_per_step=3", "rollout.group_size=4",
-        "rollout.max_tokens=4", "rollout.max_turns=3", "rollout.dtype='float32'",
+        "rollout.max_tokens=4", "episodes.max_turns=3", "engine.dtype='float32'",
         "learner.precision='float32'", "algorithm.advantage='gigpo'",
         "model.tiny.sft_steps=30", "model.tiny.hidden=64", "model.tiny.layers=2", *extra])
 
 
 @pytest.mark.parametrize("extra", [(), ("algorithm.advantage='tree_grpo'",
-                                        "rollout.tree_branches=2", "rollout.tree_depth=1")])
+                                        "episodes.tree_branches=2", "episodes.tree_depth=1")])
 def test_trained_batch_is_token_faithful_and_masks_env_tokens(tmp_path, extra):
     stages = build(_config(tmp_path, *extra))
     groups = stages.rollout(stages.select())
@@ -50,6 +50,6 @@ def test_trained_batch_is_token_faithful_and_masks_env_tokens(tmp_path, extra):
 
 def test_environment_task_needs_the_native_engine_and_no_single_turn_strategy(tmp_path):
     with pytest.raises(ConfigError, match="native engine"):
-        build(_config(tmp_path, "rollout.engine='hf'"))
+        build(_config(tmp_path, "engine.name='hf'"))
     with pytest.raises(ConfigError, match="partial.*single-turn"):
-        build(_config(tmp_path, "rollout.strategy='partial'"))
+        build(_config(tmp_path, "schedule.strategy='partial'"))

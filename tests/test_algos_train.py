@@ -55,7 +55,7 @@ def test_every_estimator_and_loss_trains_by_name(tmp_path, estimator):
 def test_dapo_refill_truncation_overlong_kl_in_reward_entropy_and_tis(tmp_path):
     records, before, after = _run(
         tmp_path, "options", "control.allocator='dynamic'",
-        "control.max_rounds=4", "algorithm.mask_truncated=true",
+        "control.allocator_options={max_rounds=4}", "algorithm.mask_truncated=true",
         "algorithm.overlong_buffer=4", "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true",
         "algorithm.entropy_coef=0.01", "algorithm.correction='tis'", "algorithm.dual_clip=3.0",
         "algorithm.clip_high=0.28", "rollout.max_tokens=10")

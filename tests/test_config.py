@@ -23,7 +23,7 @@ def test_defaults_without_a_file() -> None:
     assert cfg == Config()
     assert cfg.rollout.temperature == 1.0
     # precision is chosen per machine unless set (rollwise.compose.precision)
-    assert (cfg.rollout.dtype, cfg.learner.precision, cfg.algorithm.correction) == ("auto",) * 3
+    assert (cfg.engine.dtype, cfg.learner.precision, cfg.algorithm.correction) == ("auto",) * 3
 
 
 def test_typo_key_in_file_names_key_file_and_suggestion(tmp_path: Path) -> None:

@@ -225,10 +225,12 @@ def test_unknown_allocator_names_the_choices():
         make_allocator("thomson")
 
 
-def test_allocator_option_no_allocator_takes_is_an_error():
-    """Options meant for another allocator are left out; one no allocator takes (a typo)
-    is an error instead of vanishing."""
-    assert make_allocator("uniform", max_rounds=5).name == "uniform"  # dynamic's option
-    with pytest.raises(ValueError, match=r"unknown allocator option 'max_round' \(did you "
-                       r"mean 'max_rounds'\?\)"):
+def test_allocator_option_it_does_not_take_is_an_error():
+    """An allocator's options are its own (control.allocator_options): one it does not take,
+    a typo or another allocator's, is an error instead of vanishing."""
+    assert make_allocator("dars", max_n=16).max_n == 16
+    with pytest.raises(ValueError, match=r"allocator 'dynamic': no option 'max_round' \(did "
+                       r"you mean 'max_rounds'\?\)"):
         make_allocator("dynamic", max_round=5)
+    with pytest.raises(ValueError, match=r"allocator 'uniform': no option 'max_rounds'"):
+        make_allocator("uniform", max_rounds=5)

@@ -23,7 +23,7 @@ from test_runsafety import small
 def trained_run(tmp_path_factory):
     """A 3-step tiny run (float32 rollouts, so the engine and transformers compute alike)."""
     tmp = tmp_path_factory.mktemp("export")
-    cfg = small(tmp, "run.num_steps=3", "rollout.dtype='float32'", "run.checkpoint_every=2",
+    cfg = small(tmp, "run.num_steps=3", "engine.dtype='float32'", "run.checkpoint_every=2",
                 "run.keep_checkpoints=3", "eval.num_prompts=8")
     root = tmp / "run"
     train(build(cfg), Run(root, resume=False, config_toml=to_toml(cfg), echo=lambda s: None,

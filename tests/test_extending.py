@@ -161,13 +161,13 @@ def recording_engine(model, *, eos_token_ids, pad_token_id, batch_size):
 
 def test_an_engine_by_import_path_is_the_one_that_rolls_out(tmp_path):
     cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", *SMALL,
-                               f"rollout.engine='{__name__}:recording_engine'"])
+                               f"engine.name='{__name__}:recording_engine'"])
     stages = build(cfg)
     assert any(stages.engine is e for e in ENGINES_MADE)  # (the evaluator builds one too)
     groups = stages.rollout(stages.select())
     assert len(groups) == 4 and all(len(g.trajectories) == 8 for g in groups)
-    with pytest.raises(ConfigError, match=r"rollout.engine: unknown engine 'natve' \(did you"):
-        build(load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "rollout.engine='natve'"]))
+    with pytest.raises(ConfigError, match=r"engine.name: unknown engine 'natve' \(did you"):
+        build(load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "engine.name='natve'"]))
 
 
 def test_a_run_started_from_the_api_resumes_from_the_api(tmp_path):

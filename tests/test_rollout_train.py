@@ -16,7 +16,7 @@ from rollwise.replay import TrajectoryStore
 from rollwise.run.rundir import Run
 from test_train import params, run_dir, small
 
-PARTIAL = ["rollout.strategy='partial+context'", "rollout.chunk_tokens=4",
+PARTIAL = ["schedule.strategy='partial+context'", "schedule.chunk_tokens=4",
            "algorithm.correction='tis'"]
 
 
@@ -36,7 +36,7 @@ def test_partial_context_training_raises_reward_and_reports_staleness(tmp_path):
     assert summary["eval_after"]["accuracy"] > summary["eval_before"]["accuracy"] + 0.05
     assert all(r["groups"] == 16 for r in got), "each step trains the target number of groups"
     assert max(r["offpolicy_token_frac"] for r in got) > 0, "no partial was ever resumed"
-    assert all(r["staleness_max"] <= cfg.rollout.max_staleness for r in got)
+    assert all(r["staleness_max"] <= cfg.schedule.max_staleness for r in got)
     assert all("correction_ess" in r and 0 < r["correction_ess"] <= 1 for r in got)
     assert got[0]["pool_groups"] > 0  # over-provisioned groups wait for the next step
 
@@ -66,8 +66,8 @@ def test_interrupted_partial_run_resumes_its_pool_exactly(tmp_path):
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["rollout.engine='hf'", "rollout.strategy='partial'"], "needs the native engine"),
-    (["rollout.engine='hf'", "rollout.spec_group=true"], "rollout.spec_group needs"),
+    (["engine.name='hf'", "schedule.strategy='partial'"], "needs the native engine"),
+    (["engine.name='hf'", "schedule.spec_group=true"], "schedule.spec_group needs"),
 ])
 def test_configs_that_cannot_work_are_refused(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -79,7 +79,7 @@ def test_partial_rollouts_take_their_extra_prompts_from_the_controller(tmp_path,
     """Over-provisioned groups come from the controller (not the sampler behind its back),
     and pooled groups of earlier steps reach the allocator like any other: partial rollouts
     work with every allocator, not only the uniform one."""
-    stages = build(small(tmp_path, "rollout.strategy='partial'",
+    stages = build(small(tmp_path, "schedule.strategy='partial'",
                          f"control.allocator='{allocator}'"))
     asked: list[int] = []
     extra = stages.control.extra

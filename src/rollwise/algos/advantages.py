@@ -294,7 +294,7 @@ def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
 def tree_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *,
               trees: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """Tree-GRPO (Ji et al., arXiv 2509.21240): rollouts as trees that branch at turn
-    boundaries (rollout.tree_branches); each leaf's advantage adds the intra-tree and the
+    boundaries (episodes.tree_branches); each leaf's advantage adds the intra-tree and the
     inter-tree (whole group) GRPO advantages:
 
         A_i = (R_i - mean_tree(R)) / (std_tree(R) + eps) + (R_i - mean_g(R)) / (std_g(R) + eps)

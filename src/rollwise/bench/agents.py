@@ -37,13 +37,13 @@ def bench_config(model: str, advantage: str, seed: int, steps: int, eval_every: 
         f"run.num_steps={steps}", "run.overwrite=true", f"model.name='{model}'",
         "task.name='guess'", "task.options={high=8, max_guesses=4}", "task.num_train=512",
         "task.num_eval=64", "rollout.prompts_per_step=8", "rollout.group_size=8",
-        "rollout.max_tokens=4", "rollout.max_turns=4", "rollout.temperature=1.0",
-        "rollout.dtype='float32'", "learner.precision='float32'", "learner.lr=1e-3",
+        "rollout.max_tokens=4", "episodes.max_turns=4", "rollout.temperature=1.0",
+        "engine.dtype='float32'", "learner.precision='float32'", "learner.lr=1e-3",
         f"eval.every={eval_every}", f"algorithm.advantage='{advantage}'",
     ]
     if model != "tiny":
         overrides += ["rollout.prompts_per_step=4", "rollout.max_tokens=12",
-                      "rollout.temperature=0.8", "learner.lr=3e-5", "rollout.dtype='auto'",
+                      "rollout.temperature=0.8", "learner.lr=3e-5", "engine.dtype='auto'",
                       "learner.precision='auto'"]
     return load_config(None, overrides + list(extra or []))
 

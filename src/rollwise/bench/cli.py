@@ -186,7 +186,7 @@ def episodes(config: Annotated[Path | None, typer.Argument(
     from rollwise.bench import episodes as be
 
     overrides = [] if config else ["task.name='guess'", "task.options={high=8, max_guesses=4}",
-                                   "rollout.max_turns=4", "rollout.max_tokens=4"]
+                                   "episodes.max_turns=4", "rollout.max_tokens=4"]
     data = be.run(config, rounds=rounds, prompts=prompts, progress=_say,
                   overrides=[*overrides, f"run.threads={threads}", *(set_ or [])])
     print_table(f"Kept KV cache vs recomputed history: {data['model']}, {data['task']}, "

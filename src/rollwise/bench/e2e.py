@@ -44,18 +44,18 @@ from rollwise.bench.sides import (  # noqa: F401 (re-exported: the benchmark's p
     variant_config,
 )
 
-BASELINE = ("rollout.engine='hf'", "rollout.dtype='float32'", "learner.skip_zero_advantage=false",
+BASELINE = ("engine.name='hf'", "engine.dtype='float32'", "learner.skip_zero_advantage=false",
             "learner.precision='float32'", "learner.share_prompts=false")
 DEFAULT_VARIANTS: dict[str, tuple[str, ...]] = {"baseline": BASELINE, "best": ()}
 # the precision axis (`--precision`): float32 everywhere against bfloat16 rollouts, bfloat16
 # autocast learner and token TIS, and against int8 rollouts with a float32 learner and TIS,
 # all on the native engine (docs/precision.md)
 PRECISIONS: dict[str, tuple[str, ...]] = {
-    "float32": ("rollout.engine='native'", "rollout.dtype='float32'",
+    "float32": ("engine.name='native'", "engine.dtype='float32'",
                 "learner.precision='float32'", "algorithm.correction='none'"),
-    "bfloat16": ("rollout.engine='native'", "rollout.dtype='bfloat16'",
+    "bfloat16": ("engine.name='native'", "engine.dtype='bfloat16'",
                  "learner.precision='bf16-autocast'", "algorithm.correction='tis'"),
-    "int8": ("rollout.engine='native'", "rollout.dtype='int8'",
+    "int8": ("engine.name='native'", "engine.dtype='int8'",
              "learner.precision='float32'", "algorithm.correction='tis'"),
 }
 

@@ -1,4 +1,4 @@
-"""B-episodes: multi-turn rollouts with and without the kept KV cache (`rollout.keep_kv`).
+"""B-episodes: multi-turn rollouts with and without the kept KV cache (`episodes.keep_kv`).
 
 The same episodes (a config's environment task, prompts and seeds) are rolled out by two
 native engines that differ only in whether a conversation's keys/values are kept between
@@ -50,9 +50,9 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: li
         batch = encoded[k * prompts: (k + 1) * prompts]
         tokens: dict[str, list[list[int]]] = {}
         for side in SIDES if k % 2 == 0 else SIDES[::-1]:
-            cfg.rollout.keep_kv = side == "kept"
-            engine = build_engine("native", policy, r.batch_size, r.kv_budget_tokens,
-                                  precision.rollout)
+            cfg.episodes.keep_kv = side == "kept"
+            engine = build_engine("native", policy, cfg.engine.batch_size,
+                                  cfg.engine.kv_budget_tokens, precision.rollout)
             runner = build_episode_runner(cfg, engine, sampling, policy, task)
             start = time.perf_counter()
             groups, figures, counts = runner.run(batch)

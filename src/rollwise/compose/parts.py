@@ -15,16 +15,16 @@ from rollwise.algos import (
     policy_losses,
 )
 from rollwise.compose.config import Config
+from rollwise.compose.precision import ModelShapes, PrecisionChoice
+from rollwise.compose.precision import resolve as resolve_precision
 from rollwise.control import Controller, PosteriorBook, UniformSampler, make_allocator
 from rollwise.engine.base import Engine, RequestEngine, SamplingParams
 from rollwise.envs.render import TurnRenderer
 from rollwise.learner import Learner
 from rollwise.models import Policy, load_policy
-from rollwise.compose.precision import ModelShapes, PrecisionChoice
-from rollwise.compose.precision import resolve as resolve_precision
 from rollwise.rewards import RewardSpec, get_verifier
 from rollwise.rewards.group import GroupTerm, get_group_reward, is_group_term
-from rollwise.rollout import RolloutScheduler, RolloutStage
+from rollwise.rollout import RolloutScheduler, RolloutStage, strategy
 from rollwise.rollout.episodes import EpisodeRunner, keep_env_rewards
 from rollwise.tasks import Task, make_task
 from rollwise.types import CORRECT
@@ -88,10 +88,10 @@ def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
     """The rollout engine, its scheduler and the stage around them (the local driver's,
     or a Ray rollout worker's); `scorer` scores trajectories in place. A `task` with an
     environment rolls out multi-turn episodes, scored by the environment."""
-    r = cfg.rollout
-    engine = build_engine(r.engine, policy, r.batch_size, r.kv_budget_tokens,
-                           precision.rollout, spec_tokens=r.spec_tokens,
-                           decode_step=r.decode_step)
+    e = cfg.engine
+    engine = build_engine(e.name, policy, e.batch_size, e.kv_budget_tokens,
+                           precision.rollout, spec_tokens=cfg.schedule.spec_tokens,
+                           decode_step=e.decode_step)
     sampling = build_sampling(cfg)
     if task is not None and task.env is not None:
         return RolloutStage(engine, sampling, policy.decode, keep_env_rewards,
@@ -162,16 +162,16 @@ def build_judge(cfg: Config):
 
 
 def build_precision(cfg: Config, policy: Policy) -> PrecisionChoice:
-    """rollout.dtype, learner.precision and algorithm.correction with every 'auto' settled
+    """engine.dtype, learner.precision and algorithm.correction with every 'auto' settled
     for this machine (rollwise.compose.precision: a cached probe of the model's shapes)."""
     from rollwise.engine.decoder import UnsupportedModel, check_supported
 
-    engine = cfg.rollout.engine
+    engine = cfg.engine.name
     try:
         check_supported(policy.model)
     except UnsupportedModel:
         engine = "hf"  # make_engine falls back to it; it samples from the model as it is
-    return resolve_precision(cfg.rollout.dtype, cfg.learner.precision, cfg.algorithm.correction,
+    return resolve_precision(cfg.engine.dtype, cfg.learner.precision, cfg.algorithm.correction,
                              shapes=ModelShapes.of(policy.model), device=cfg.run.device,
                              engine=engine)
 
@@ -199,20 +199,23 @@ def build_group_terms(cfg: Config, rewards: dict[str, tuple[Callable, float]]) -
     return terms
 
 
-def allocator_options(cfg: Config) -> dict:
-    """The control options offered to the allocator's constructor (it takes those it names;
-    the rest configure the controller and the posterior book)."""
-    return cfg.control.model_dump(exclude={"allocator", "explore", "prior", "decay_fast",
-                                           "decay_slow", "stale_after"})
-
-
 def build_control(cfg: Config, sampler: UniformSampler) -> Controller:
     c, r = cfg.control, cfg.rollout
     book = PosteriorBook(prior=c.prior, decay_fast=c.decay_fast, decay_slow=c.decay_slow,
                          stale_after=c.stale_after)
-    return Controller(sampler.items, make_allocator(c.allocator, **allocator_options(cfg)), book,
+    return Controller(sampler.items, make_allocator(c.allocator, **c.allocator_options), book,
                       prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                       explore=c.explore, seed=cfg.run.seed, sampler=sampler)
+
+
+def request_engine_settings(cfg: Config) -> list[str]:
+    """The schedule settings of `cfg` that need the native engine's request-level API (and
+    a single-turn task), as they read in the config: a strategy that needs it
+    (rollout/strategy.py), speculative drafts."""
+    s = cfg.schedule
+    return [k for k, on in {
+        f"schedule.strategy='{s.strategy}'": strategy(s.strategy).needs_request_engine,
+        "schedule.spec_group": s.spec_group, "schedule.spec_reuse": s.spec_reuse}.items() if on]
 
 
 def build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
@@ -221,20 +224,18 @@ def build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
     HF engine, which only supports the 'sync'/'continuous' schedules without speculation."""
     from rollwise.compose.config import ConfigError
 
-    r = cfg.rollout
+    s = cfg.schedule
     if not isinstance(engine, RequestEngine):
-        needs = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
-            "sync", "continuous"), "rollout.spec_group": r.spec_group,
-            "rollout.spec_reuse": r.spec_reuse}.items() if on]
+        needs = request_engine_settings(cfg)
         if needs:
             raise ConfigError(f"{', '.join(needs)} needs the native engine; this model runs on "
-                              "the HF engine (rollout.engine='hf' or an unsupported "
+                              "the HF engine (engine.name='hf' or an unsupported "
                               "architecture)")
         return None
     return RolloutScheduler(
-        engine, sampling, decode, strategy=r.strategy, over_provision=r.over_provision,
-        max_staleness=r.max_staleness, chunk_tokens=r.chunk_tokens, spec_group=r.spec_group,
-        spec_reuse=r.spec_reuse, reuse_rule=r.reuse_rule, lenience=r.lenience,
+        engine, sampling, decode, strategy=s.strategy, over_provision=s.over_provision,
+        max_staleness=s.max_staleness, chunk_tokens=s.chunk_tokens, spec_group=s.spec_group,
+        spec_reuse=s.spec_reuse, reuse_rule=s.reuse_rule, lenience=s.lenience,
         seed=cfg.run.seed)
 
 
@@ -244,22 +245,20 @@ def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, 
     False: no tree branching (evaluation runs one episode per prompt)."""
     from rollwise.compose.config import ConfigError
 
-    r = cfg.rollout
+    ep = cfg.episodes
     if not isinstance(engine, RequestEngine):
         raise ConfigError(f"task '{task.name}' rolls out multi-turn episodes, which need the "
-                          "native engine (rollout.engine = 'native' and a supported model)")
-    single_turn = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
-        "sync", "continuous"), "rollout.spec_group": r.spec_group,
-        "rollout.spec_reuse": r.spec_reuse}.items() if on]
+                          "native engine (engine.name = 'native' and a supported model)")
+    single_turn = request_engine_settings(cfg)
     if single_turn:
         raise ConfigError(f"{', '.join(single_turn)} applies to single-turn tasks; task "
                           f"'{task.name}' runs episodes with continuous batching")
     return EpisodeRunner(
         engine, sampling, task.env, TurnRenderer(policy.tokenizer, policy.chat, policy.stop_ids),
-        policy.decode, max_turns=r.max_turns,
-        max_context=min(r.max_episode_tokens, policy.max_context),
-        env_timeout_s=r.env_timeout_s, branches=r.tree_branches if tree else 1,
-        depth=r.tree_depth, keep_kv=r.keep_kv, seed=cfg.run.seed)
+        policy.decode, max_turns=ep.max_turns,
+        max_context=min(ep.max_tokens, policy.max_context),
+        env_timeout_s=ep.env_timeout_s, branches=ep.tree_branches if tree else 1,
+        depth=ep.tree_depth, keep_kv=ep.keep_kv, seed=cfg.run.seed)
 
 
 def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int,
@@ -273,7 +272,7 @@ def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: i
     from rollwise.engine import NativeEngine, make_engine
 
     if name == "hf" and dtype != "float32":
-        raise ConfigError(f"rollout.dtype='{dtype}' needs the native engine (rollout.engine="
+        raise ConfigError(f"engine.dtype='{dtype}' needs the native engine (engine.name="
                           "'native'); the HF engine samples from the float32 model")
     options = {"kv_budget_tokens": kv_budget_tokens} if name == "native" else {}
     if name == "native":

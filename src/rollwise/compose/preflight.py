@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rollwise.compose.config import Config, ConfigError
-from rollwise.registry import options_misfit, options_of
+from rollwise.registry import options_misfit
 
 # What the controller calls on an allocator (docs/extending.md, rollwise/control/allocators.py)
 ALLOCATOR_METHODS = ("plan", "observe", "train_groups", "max_rollouts", "state_dict",
@@ -30,8 +30,8 @@ def check_config(cfg: Config, functions: Mapping[str, Callable] | None = None) -
     _check_task_and_model(cfg)
     _check_combinations(cfg)
     check_device(cfg.run.device)
-    if cfg.rollout.decode_step == "graph" and not cfg.run.device.startswith("cuda"):
-        raise ConfigError(f"rollout.decode_step = 'graph' captures CUDA graphs: it needs "
+    if cfg.engine.decode_step == "graph" and not cfg.run.device.startswith("cuda"):
+        raise ConfigError(f"engine.decode_step = 'graph' captures CUDA graphs: it needs "
                           f"run.device = 'cuda' (here {cfg.run.device!r}); 'auto' picks "
                           "graphs on a GPU and the eager step elsewhere")
 
@@ -97,10 +97,9 @@ def _check_rewards(cfg: Config, functions: dict[str, Callable]) -> None:
 
 
 def _check_allocator(cfg: Config) -> None:
-    """The allocator is known; a class of the user's has the methods the controller calls
-    and a constructor the control options can fill."""
+    """The allocator is known; a class of the user's has the methods the controller calls;
+    control.allocator_options fit its constructor."""
     from rollwise.control.allocators import ALLOCATORS
-    from rollwise.compose.parts import allocator_options
 
     name = cfg.control.allocator
     _known("control.allocator", name, ALLOCATORS)
@@ -110,10 +109,10 @@ def _check_allocator(cfg: Config) -> None:
         raise ConfigError(f"control.allocator: allocator {name!r} lacks {', '.join(missing)}; "
                           f"an allocator class has a name and the methods "
                           f"{', '.join(ALLOCATOR_METHODS)} (docs/extending.md)")
-    problem = options_misfit(cls, options_of(cls).pick(allocator_options(cfg)))
+    problem = options_misfit(cls, cfg.control.allocator_options)
     if problem:
-        raise ConfigError(f"control.allocator: allocator {name!r}: {problem} (an allocator's "
-                          "constructor takes control options by name)")
+        raise ConfigError(f"control.allocator_options: allocator {name!r}: {problem} (an "
+                          "allocator's constructor takes its options by name)")
 
 
 def _check_task_and_model(cfg: Config) -> None:
@@ -137,21 +136,20 @@ GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "drpo", "pass_at_k")
 
 
 def _check_combinations(cfg: Config) -> None:
+    from rollwise.compose.parts import request_engine_settings
     from rollwise.engine import ENGINES
 
     r = cfg.rollout
-    _known("rollout.engine", r.engine, ENGINES)
+    _known("engine.name", cfg.engine.name, ENGINES)
     if r.group_size == 1 and cfg.algorithm.advantage in GROUP_BASELINES:
         raise ConfigError(f"rollout.group_size = 1: advantage '{cfg.algorithm.advantage}' "
                           "compares the responses within a group, so every advantage would "
                           "be 0 and nothing learned; use group_size >= 2 (or a batch baseline, "
                           "algorithm.advantage = 'reinforce_pp')")
-    needs = [k for k, on in {f"rollout.strategy='{r.strategy}'": r.strategy not in (
-        "sync", "continuous"), "rollout.spec_group": r.spec_group,
-        "rollout.spec_reuse": r.spec_reuse}.items() if on]
-    if r.engine != "native" and needs:
+    needs = request_engine_settings(cfg)
+    if cfg.engine.name != "native" and needs:
         raise ConfigError(f"{', '.join(needs)} needs the native engine "
-                          "(rollout.engine='native')")
+                          "(engine.name='native')")
 
 
 def check_device(device: str, setting: str = "run.device") -> None:

@@ -2,7 +2,8 @@
 
 Every allocator works inside the per-step budget B = prompts_per_step x group_size (what
 `uniform` spends), except `dynamic`, whose refills are the point (at most max_rounds x B).
-Formulas and config keys: docs/allocation.md. Summary, with P prompts per step, G group size:
+Formulas and options (control.allocator_options, the constructors' parameters):
+docs/allocation.md. Summary, with P prompts per step, G group size:
 
 - uniform       P prompts from the uniform stream, G rollouts each (the GRPO baseline).
 - dynamic       DAPO: P x G; drop zero-variance groups; refill with fresh prompts until P
@@ -11,12 +12,12 @@ Formulas and config keys: docs/allocation.md. Summary, with P prompts per step, 
 - pilot_commit  pilot pilot_n rollouts on pilot_factor x P prompts from the stream, then the
                 rest of B to prompts whose pilot pass rate lies in [band_low, band_high]
                 (then by posterior variance); train on committed prompts (pilot + commit).
-- dars          round 1 with dars_first_n each; hard prompts (a < 0.5) get Δn more (ET or HW
+- dars          round 1 with first_n each; hard prompts (a < 0.5) get Δn more (ET or HW
                 schedule), scaled to the rest of B; train on mixed groups.
 - vcrl          train on groups with normalised variance σ²/σ²_max >= κ; replay such prompts
                 from a priority bank for part of each batch.
 - gdro          Rollout-GDRO: bin prompts by posterior mean (with hysteresis); n_i ∝ σ_b(i)
-                = sqrt(p_b(1 − p_b)) (the square-root rule), within [gdro_min_n, gdro_max_n].
+                = sqrt(p_b(1 − p_b)) (the square-root rule), within [min_n, max_n].
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 from typing import Any
 
 from rollwise.control.controller import Controller, Group, Request, prompt_id
-from rollwise.registry import Registry, options_of, unknown_name_error
+from rollwise.registry import Registry, options_misfit
 
 
 def _requests(prompts: list, n: int) -> list[Request]:
@@ -63,7 +64,7 @@ class Dynamic:
 
     def __init__(self, max_rounds: int = 3):
         if max_rounds < 1:
-            raise ValueError(f"control.max_rounds={max_rounds}: expected >= 1")
+            raise ValueError(f"dynamic: max_rounds={max_rounds}: expected >= 1")
         self.max_rounds = max_rounds
         self._informative = self._round = 0
 
@@ -89,14 +90,14 @@ class Dynamic:
 @_stateless
 class Thompson:
     """VADE (arXiv 2511.18902): Thompson sampling on the expected information p~(1 − p~),
-    among `thompson_candidates` x P prompts from the stream (0: among all prompts)."""
+    among `candidates` x P prompts from the stream (0: among all prompts)."""
 
     name = "thompson"
 
-    def __init__(self, thompson_candidates: float = 2.0):
-        if thompson_candidates < 0:
-            raise ValueError(f"control.thompson_candidates={thompson_candidates}: expected >= 0")
-        self.candidates = thompson_candidates
+    def __init__(self, candidates: float = 2.0):
+        if candidates < 0:
+            raise ValueError(f"thompson: candidates={candidates}: expected >= 0")
+        self.candidates = candidates
 
     def plan(self, ctl: Controller) -> list[Request]:
         rng, step = ctl.rng, ctl.step
@@ -127,10 +128,10 @@ class PilotCommit:
     def __init__(self, pilot_n: int = 2, pilot_factor: float = 2.0, commit_n: int = 0,
                  band_low: float = 0.125, band_high: float = 0.75):
         if pilot_n < 1 or pilot_factor <= 0 or commit_n < 0:
-            raise ValueError(f"control.pilot_n={pilot_n}, pilot_factor={pilot_factor}, "
+            raise ValueError(f"pilot_commit: pilot_n={pilot_n}, pilot_factor={pilot_factor}, "
                              f"commit_n={commit_n}: expected >= 1, > 0 and >= 0")
         if not 0.0 <= band_low <= band_high <= 1.0:
-            raise ValueError(f"control.band_low={band_low}, band_high={band_high}: "
+            raise ValueError(f"pilot_commit: band_low={band_low}, band_high={band_high}: "
                              "expected 0 <= band_low <= band_high <= 1")
         self.pilot_n, self.pilot_factor, self.commit_n = pilot_n, pilot_factor, commit_n
         self.band = (band_low, band_high)
@@ -210,12 +211,12 @@ class Dars:
 
     name = "dars"
 
-    def __init__(self, dars_first_n: int = 0, dars_max_n: int = 32, dars_schedule: str = "et",
-                 dars_std: bool = True):
-        if dars_schedule not in ("et", "hw"):
-            raise ValueError(f"control.dars_schedule={dars_schedule!r}: expected 'et' or 'hw'")
-        self.first_n, self.max_n = dars_first_n, dars_max_n
-        self.schedule, self.use_std = dars_schedule, dars_std
+    def __init__(self, first_n: int = 0, max_n: int = 32, schedule: str = "et",
+                 std: bool = True):
+        if schedule not in ("et", "hw"):
+            raise ValueError(f"dars: schedule={schedule!r}: expected 'et' or 'hw'")
+        self.first_n, self.max_n = first_n, max_n
+        self.schedule, self.use_std = schedule, std
         self._first, self._second_round = 0, False
 
     def plan(self, ctl: Controller) -> list[Request]:
@@ -267,13 +268,13 @@ class Vcrl:
 
     name = "vcrl"
 
-    def __init__(self, vcrl_kappa: float = 0.3, vcrl_bank_frac: float = 0.5,
-                 vcrl_momentum: float = 0.9, vcrl_bank_size: int = 0):
-        if not 0 <= vcrl_kappa <= 1 or not 0 <= vcrl_bank_frac <= 1:
-            raise ValueError(f"control.vcrl_kappa={vcrl_kappa}, vcrl_bank_frac="
-                             f"{vcrl_bank_frac}: expected fractions in [0, 1]")
-        self.kappa, self.bank_frac, self.momentum = vcrl_kappa, vcrl_bank_frac, vcrl_momentum
-        self.bank_size = vcrl_bank_size
+    def __init__(self, kappa: float = 0.3, bank_frac: float = 0.5, momentum: float = 0.9,
+                 bank_size: int = 0):
+        if not 0 <= kappa <= 1 or not 0 <= bank_frac <= 1:
+            raise ValueError(f"vcrl: kappa={kappa}, bank_frac={bank_frac}: expected fractions "
+                             "in [0, 1]")
+        self.kappa, self.bank_frac, self.momentum = kappa, bank_frac, momentum
+        self.bank_size = bank_size
         self.bank: dict[str, float] = {}  # sample id -> momentum-updated priority
 
     def plan(self, ctl: Controller) -> list[Request]:
@@ -358,13 +359,13 @@ class Gdro:
 
     name = "gdro"
 
-    def __init__(self, gdro_bins: int = 4, gdro_hysteresis: float = 0.05, gdro_min_n: int = 2,
-                 gdro_max_n: int = 32):
-        if gdro_bins < 1 or gdro_min_n < 1 or gdro_max_n < gdro_min_n:
-            raise ValueError(f"control.gdro_bins={gdro_bins}, gdro_min_n={gdro_min_n}, "
-                             f"gdro_max_n={gdro_max_n}: expected bins >= 1, 1 <= min <= max")
-        self.bins, self.hysteresis = gdro_bins, gdro_hysteresis
-        self.min_n, self.max_n = gdro_min_n, gdro_max_n
+    def __init__(self, bins: int = 4, hysteresis: float = 0.05, min_n: int = 2,
+                 max_n: int = 32):
+        if bins < 1 or min_n < 1 or max_n < min_n:
+            raise ValueError(f"gdro: bins={bins}, min_n={min_n}, max_n={max_n}: expected "
+                             "bins >= 1, 1 <= min_n <= max_n")
+        self.bins, self.hysteresis = bins, hysteresis
+        self.min_n, self.max_n = min_n, max_n
         self.assigned: dict[str, int] = {}  # sample id -> difficulty bin
 
     def bin_of(self, pid: str, mean: float) -> int:
@@ -413,13 +414,11 @@ for _cls in (Uniform, Dynamic, Thompson, PilotCommit, Dars, Vcrl, Gdro):
 
 
 def make_allocator(name: str, **options: Any):
-    """The allocator registered as `name` (or at "package.module:Class"), given the options
-    its constructor accepts. The config passes every allocator's options, so those meant for
-    another allocator are left out; an option no allocator takes is an error (a typo would
-    otherwise vanish)."""
+    """The allocator registered as `name` (or at "package.module:Class"), its constructor
+    given `options` (control.allocator_options); an option it does not take is a ValueError
+    naming the closest one it does (a typo would otherwise vanish)."""
     cls = ALLOCATORS.get(name)
-    known = {p for c in [*ALLOCATORS.values(), cls] for p in options_of(c).defaults}
-    for option in options:
-        if option not in known:
-            raise unknown_name_error("allocator option", option, sorted(known))
-    return cls(**options_of(cls).pick(options))
+    problem = options_misfit(cls, options)
+    if problem:
+        raise ValueError(f"allocator {name!r}: {problem}")
+    return cls(**options)

@@ -10,8 +10,9 @@ plain path for engines without the request-level API (HF `generate`).
 from __future__ import annotations
 
 from rollwise.rollout.figures import RolloutFigures
-from rollwise.rollout.scheduler import STRATEGIES, RolloutScheduler, StepReport
+from rollwise.rollout.scheduler import RolloutScheduler, StepReport
 from rollwise.rollout.stage import RolloutStage, generate_groups
+from rollwise.rollout.strategy import STRATEGIES, Strategy, strategy
 
 __all__ = ["STRATEGIES", "RolloutFigures", "RolloutScheduler", "RolloutStage", "StepReport",
-           "generate_groups"]
+           "Strategy", "generate_groups", "strategy"]

