@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rollwise.compose.config import Config, ConfigError
-from rollwise.registry import options_misfit
+from rollwise.registry import options_misfit, options_of
 
 # What the controller calls on an allocator (docs/extending.md, rollwise/control/allocators.py)
 ALLOCATOR_METHODS = ("plan", "observe", "train_groups", "max_rollouts", "state_dict",
@@ -109,10 +109,14 @@ def _check_allocator(cfg: Config) -> None:
         raise ConfigError(f"control.allocator: allocator {name!r} lacks {', '.join(missing)}; "
                           f"an allocator class has a name and the methods "
                           f"{', '.join(ALLOCATOR_METHODS)} (docs/extending.md)")
-    problem = options_misfit(cls, cfg.control.allocator_options)
+    options = cfg.control.allocator_options
+    problem = options_misfit(cls, options)
     if problem:
-        raise ConfigError(f"control.allocator_options: allocator {name!r}: {problem} (an "
-                          "allocator's constructor takes its options by name)")
+        owners = {f"{option!r} is an option of {other!r}" for option in options
+                  for other, c in ALLOCATORS.items()
+                  if other != name and option in options_of(c).defaults}
+        raise ConfigError(f"control.allocator_options: allocator {name!r}: {problem}"
+                          + "".join(f"; {o}" for o in sorted(owners)))
 
 
 def _check_task_and_model(cfg: Config) -> None:
