@@ -13,6 +13,7 @@ from rollwise.pipeline.asyncloop import AsyncSteps, bound_staleness, staleness_h
 from rollwise.pipeline.build import build, check_run_config, run_steps
 from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.pipeline.loop import Collected, train
+from rollwise.pipeline.stages import Stages
 from rollwise.rewards import RewardStats
 from rollwise.run.rundir import Run
 from rollwise.types import Group, Sample
@@ -56,7 +57,7 @@ def _run(cfg, name: str, steps) -> list[dict]:
 def test_async_staleness_zero_is_the_synchronous_driver(tmp_path):
     cfg = small(tmp_path)
     sync = _run(cfg, "sync", run_steps(cfg))
-    cfg_async = small(tmp_path, "run.mode='async'", "run.max_staleness=0")
+    cfg_async = small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=0")
     check_run_config(cfg_async)
     out = _run(cfg_async, "async", run_steps(cfg_async))
     assert_same_metrics(sync, out)
@@ -74,11 +75,32 @@ def _group(version: int, n: int = 2) -> Group:
                      for _ in range(n)])
 
 
+class _FakeControl:
+    """The controller's regeneration seam: asks for the stale prompts, sees the new groups."""
+
+    def __init__(self):
+        self.seen: list[Group] = []
+
+    def regenerate(self, stale):
+        from rollwise.control import Request
+        from rollwise.types import EncodedPrompt
+
+        return [Request(EncodedPrompt(g.sample, g.trajectories[0].prompt_ids),
+                        len(g.trajectories)) for g in stale]
+
+    def observe_regenerated(self, groups):
+        self.seen += groups
+
+
 class _FakeStages:
-    """Rolls out fresh groups at version 9 (what 'regenerate' asks for)."""
+    """Rolls out fresh groups at version 9 (what 'regenerate' asks for); `regenerate` is
+    the real stage method over these parts."""
+
+    regenerate = Stages.regenerate
 
     def __init__(self):
         self.asked = []
+        self.control = _FakeControl()
 
     def rollout(self, requests):
         self.asked += requests
@@ -107,15 +129,16 @@ def test_staleness_bound_drops_or_regenerates_and_counts(policy):
         assert [r.n for r in stages.asked] == [3] and stages.asked[0].prompt.ids == [1, 5]
         assert flow["traj_trained"] == 5 and flow["traj_requested"] == 8
         assert batch.kept[0] is fresh and batch.kept[1].trajectories[0].versions == [9, 10]
+        assert stages.control.seen == batch.kept[1:]  # the controller saw them scored
 
 
 def test_bad_run_combinations_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="needs run.backend='ray'"):
-        check_run_config(small(tmp_path, "run.mode='async'", "run.max_staleness=1"))
+        check_run_config(small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1"))
     with pytest.raises(ConfigError, match="num_workers"):
-        check_run_config(small(tmp_path, "rollout.num_workers=2"))
-    with pytest.raises(ConfigError, match="run.mode"):
-        small(tmp_path, "run.mode='later'")
+        check_run_config(small(tmp_path, "ray.num_workers=2"))
+    with pytest.raises(ConfigError, match="schedule.mode"):
+        small(tmp_path, "schedule.mode='later'")
     with pytest.raises(ValueError, match="stale_policy"):
         AsyncSteps(None, None, 0, 0, stale_policy="keep")
 

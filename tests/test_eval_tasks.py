@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rollwise.pipeline.build import build
 from rollwise.compose.config import load_config
-from rollwise.pipeline.evaluate import pass_at_k, task_table
+from rollwise.observe.metrics import task_table
+from rollwise.pipeline.build import build
+from rollwise.pipeline.evaluate import pass_at_k
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 
@@ -44,7 +45,7 @@ def test_eval_tasks_are_scored_by_their_own_verifiers_and_reported_apart(tmp_pat
     # each sample goes to its own task's verifier (countdown's checks the expression)
     from rollwise.rewards import countdown_verifier
 
-    verify = stages.evaluator.pool.specs[0].fn
+    verify = stages.evaluator.rollouts.pool.specs[0].fn
     by_task = {}
     for sample, _ in stages.evaluator.prompts:
         by_task.setdefault(sample.meta["eval_task"], sample)

@@ -1,4 +1,4 @@
-"""int8 rollouts (rollout.dtype = "int8", the low-precision lever for CPUs without native
+"""int8 rollouts (engine.dtype = "int8", the low-precision lever for CPUs without native
 bfloat16): the product's error against its arithmetic bound, log-probs that are those of
 the int8 policy that sampled, re-quantization at each publication, and the config path."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollwise.engine import NativeEngine, SamplingParams
-from rollwise.engine.decoder import _Int8Dense, int8_weight_levels
+from rollwise.engine.projections import Int8Dense, int8_weight_levels
 
 pytestmark = pytest.mark.precision
 
@@ -32,7 +32,7 @@ def test_int8_product_within_its_rounding_bound(smooth) -> None:
     x = torch.randn(7, 96, generator=gen) * torch.linspace(0.1, 5, 96)  # uneven channels
     w = torch.randn(40, 96, generator=gen)
     s = torch.rand(96, generator=gen) + 0.5 if smooth else None
-    lin = _Int8Dense(w, None, s)
+    lin = Int8Dense(w, None, s)
     got = lin(x)
     xs, ws = (x / s, w * s) if smooth else (x, w)
     sx = xs.abs().amax(1, keepdim=True) / 127
@@ -65,7 +65,7 @@ def _int8_reference_logprobs(teacher, model, engine: NativeEngine, prompts, comp
     dec = engine.decoder
     hooks = []
     for key, lin in dec._linears.items():
-        if not isinstance(lin, _Int8Dense):
+        if not isinstance(lin, Int8Dense):
             continue
         mods = key if isinstance(key, tuple) else (key,)
         sizes = dec._sizes[mods]
@@ -129,8 +129,8 @@ def test_int8_config_reaches_the_engines_with_tis(tmp_path) -> None:
 
     config = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
     stages = build(load_config(config, [f"run.output_dir='{tmp_path}'", "run.threads=1",
-                                        "task.num_eval=8", "rollout.dtype='int8'"]))
+                                        "task.num_eval=8", "engine.dtype='int8'"]))
     assert stages.engine.decoder.int8
     assert stages.evaluator.engine.decoder is stages.engine.decoder
     assert stages.learner.correction_fn is not None  # auto correction: tis (int8 vs float32)
-    assert stages.info["precision"]["correction"] == "tis"
+    assert stages.info.precision["correction"] == "tis"

@@ -15,7 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rollwise.pipeline.build import build, build_run, run_steps
+from rollwise.pipeline.build import build, run_steps
 from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.distributed.cluster import connect, probe, worker_env
 from rollwise.pipeline.loop import train
@@ -53,15 +53,14 @@ def records(root: Path, kind: str | None = None) -> list[dict]:
 
 def run_config(cfg, name: str, *, stages=None, resume: bool = False) -> dict:
     cfg.run.name = name
-    stages = stages or build_run(cfg)
+    stages = stages or build(cfg)
     run = Run(Path(cfg.run.output_dir) / name, resume=resume, config_toml=to_toml(cfg),
               echo=lambda s: None)
     try:
         return train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
                      checkpoint_every=cfg.run.checkpoint_every, steps=run_steps(cfg))
     finally:
-        if hasattr(stages, "shutdown"):
-            stages.shutdown()
+        stages.close()
 
 
 def assert_flow(trains: list[dict]) -> None:
@@ -75,8 +74,8 @@ def test_ray_matches_local_and_async_zero_too(tmp_path):
     rewards, losses, lengths, evaluations at every step."""
     cfg = small(tmp_path)
     run_config(cfg, "local", stages=build(cfg))
-    run_config(small(tmp_path, "run.backend='ray'", "run.mode='async'",
-                     "run.max_staleness=0"), "ray")
+    run_config(small(tmp_path, "run.backend='ray'", "schedule.mode='async'",
+                     "schedule.max_staleness=0"), "ray")
     a, b = records(tmp_path / "local"), records(tmp_path / "ray")
     assert [r["kind"] for r in a] == [r["kind"] for r in b]
     for x, y in zip(a, b):
@@ -87,8 +86,8 @@ def test_ray_matches_local_and_async_zero_too(tmp_path):
 
 @pytest.mark.slow
 def test_async_one_step_ahead_stays_within_the_bound(tmp_path):
-    cfg = small(tmp_path, "run.backend='ray'", "run.mode='async'", "run.max_staleness=1",
-                "rollout.num_workers=2", "rollout.worker_cpus=0.5", "run.num_steps=4",
+    cfg = small(tmp_path, "run.backend='ray'", "schedule.mode='async'", "schedule.max_staleness=1",
+                "ray.num_workers=2", "ray.worker_cpus=0.5", "run.num_steps=4",
                 "eval.every=0")
     run_config(cfg, "async1")
     trains = records(tmp_path / "async1", "train")
@@ -103,8 +102,8 @@ def test_async_one_step_ahead_stays_within_the_bound(tmp_path):
 def test_killed_rollout_worker_is_restarted_and_its_requests_rerun(tmp_path):
     cfg = small(tmp_path, "run.backend='ray'", "run.num_steps=4", "eval.every=0")
     cfg.run.name = "fault"
-    stages = build_run(cfg)
-    pid = stages.worker_pids()[0]
+    stages = build(cfg)
+    pid = stages.rollout_stage.worker_pids()[0]
     killed = []
 
     def kill_mid_rollout():
@@ -112,7 +111,7 @@ def test_killed_rollout_worker_is_restarted_and_its_requests_rerun(tmp_path):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # after step 1, while the worker decodes
             trained = metrics.exists() and '"train"' in metrics.read_text()
-            if trained and ray.get(stages.workers[0].is_busy.remote()):
+            if trained and ray.get(stages.rollout_stage.workers[0].is_busy.remote()):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
@@ -126,7 +125,7 @@ def test_killed_rollout_worker_is_restarted_and_its_requests_rerun(tmp_path):
     trains = records(tmp_path / "fault", "train")
     assert [r["step"] for r in trains] == [1, 2, 3, 4] and summary["steps"] == 4
     assert trains[-1]["rollout_worker_restarts"] >= 1
-    assert stages.worker_pids()[0] != pid
+    assert stages.rollout_stage.worker_pids()[0] != pid
     assert_flow(trains)
     assert all(r["traj_requested"] == r["step_rollouts"] == 4 * 8 for r in trains)
     store = TrajectoryStore(tmp_path / "fault" / "trajectories.sqlite")
@@ -144,12 +143,12 @@ def test_dead_learner_ends_the_run_and_resume_continues(tmp_path):
     cfg = small(tmp_path, "run.backend='ray'", "run.num_steps=4", "eval.every=0",
                 "run.checkpoint_every=2")
     cfg.run.name = "learner"
-    stages = build_run(cfg)
-    learner_pid = ray.get(stages.learner_actor.pid.remote())
+    stages = build(cfg)
+    learner_pid = stages.learner.pid()
     original = stages.update
 
     def update_then_die(batch):
-        if stages._weights[0] == 2:  # the update of step 3: after the step-2 checkpoint
+        if stages.rollout_stage.version == 2:  # the update of step 3: after the step-2 checkpoint
             os.kill(learner_pid, signal.SIGKILL)
         return original(batch)
 

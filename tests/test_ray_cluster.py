@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster
 
-from rollwise.pipeline.build import build_run, run_steps
+from rollwise.pipeline.build import build, run_steps
 from rollwise.compose.config import load_config, to_toml
 from rollwise.distributed.cluster import worker_env
 from rollwise.pipeline.loop import train
@@ -42,18 +42,18 @@ def test_training_across_two_nodes(tmp_path, two_nodes):
     cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "run.num_steps=2",
                                "run.threads=1", "rollout.prompts_per_step=4",
                                "task.num_eval=16", "eval.every=0", "run.backend='ray'",
-                               "run.mode='async'", "run.max_staleness=1"])
-    stages = build_run(cfg)
+                               "schedule.mode='async'", "schedule.max_staleness=1"])
+    stages = build(cfg)
     try:
-        learner = ray.get(stages.learner_actor.node.remote())
-        worker = ray.get(stages.workers[0].node.remote())
+        learner = ray.get(stages.learner.actor.node.remote())
+        worker = ray.get(stages.rollout_stage.workers[0].node.remote())
         assert learner != worker, "learner and rollout worker should sit on different nodes"
         assert len({n["NodeID"] for n in ray.nodes() if n["Alive"]}) == 2
         run = Run(tmp_path / cfg.run.name, resume=False, config_toml=to_toml(cfg),
                   echo=lambda s: None)
         summary = train(stages, run, 2, eval_before=False, steps=run_steps(cfg))
     finally:
-        stages.shutdown()
+        stages.close()
     assert summary["steps"] == 2
     trains = [json.loads(x) for x in (tmp_path / cfg.run.name / "metrics.jsonl")
               .read_text().splitlines() if '"train"' in x]

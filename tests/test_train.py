@@ -192,8 +192,8 @@ def test_over_long_prompts_are_skipped_and_counted(tmp_path):
     long_in_train = sum(len(s.prompt) > 19 for s in stages.task.train)
     long_in_eval = sum(len(s.prompt) > 19 for s in stages.task.eval)
     assert long_in_train + long_in_eval == 3
-    assert info["skipped_train_prompts"] == long_in_train
-    assert info["skipped_eval_prompts"] == long_in_eval
+    assert info.skipped_train_prompts == long_in_train
+    assert info.skipped_eval_prompts == long_in_eval
     assert all(len(ids) <= 20 for _, ids in stages.sampler.items)
 
 

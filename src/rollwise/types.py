@@ -1,8 +1,9 @@
 """The typed records that flow through rollwise, one stage to the next.
 
 Data flows one way: a `Sample` (a task instance) becomes a `Group` of `Trajectory`s (its
-rollouts), the trajectories are scored in place, and the learner receives a `Batch` of
-padded tensors built from the groups. No stage passes string-keyed dictionaries of tensors.
+rollouts, each made from an engine's `Completion`), the trajectories are scored in place, and
+the learner receives a `Batch` of padded tensors built from the groups. No stage passes
+string-keyed dictionaries of tensors.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ if TYPE_CHECKING:  # the records stay importable without torch (tasks, rewards, 
 
     import torch
 
-    from rollwise.engine.base import Completion
-
 FinishReason = Literal["stop", "length", "abort"]
 
 # The reward term whose score 1 means solved: the task's own verifier (accuracy counts it).
@@ -24,6 +23,48 @@ CORRECT = "correct"
 
 # A chat prompt is a list of {"role": ..., "content": ...} messages.
 Prompt = str | list[dict[str, str]]
+
+IssueKind = Literal["error", "timeout", "infra", "note"]
+
+
+@dataclass(frozen=True)
+class RewardIssue:
+    """Something that happened while one reward term scored one trajectory: an `error`
+    (the term raised, returned a non-number, or took its worker down), a `timeout`, an
+    `infra` failure (not the completion's fault; the trajectory is masked), or a `note` (a
+    remark that came with a valid score, e.g. "2 of 5 tests passed"; not a failure).
+
+    Stored (trajectories.sqlite) as one line of text, the form runs have always written:
+
+    >>> RewardIssue("infra", "correct", "sandbox did not start").to_text()
+    'correct: infra: sandbox did not start'
+    >>> RewardIssue.from_text("format: timeout after 5s")
+    RewardIssue(kind='timeout', term='format', message='timeout after 5s')
+    """
+
+    kind: IssueKind
+    term: str  # the reward term's name (its key in Trajectory.scores)
+    message: str  # what happened; a timeout's reads "timeout after Xs"
+
+    @property
+    def failed(self) -> bool:
+        """A failed call (counted in the step's reward figures); a note is not one."""
+        return self.kind != "note"
+
+    def to_text(self) -> str:
+        """The stored form: "term: message" for an error or a timeout, "term: infra:
+        message" and "term: note: message" for the other two."""
+        tag = f"{self.kind}: " if self.kind in ("infra", "note") else ""
+        return f"{self.term}: {tag}{self.message}"
+
+    @classmethod
+    def from_text(cls, text: str) -> RewardIssue:
+        """The issue `to_text` wrote (the kind read back from the text's tag)."""
+        term, _, rest = text.partition(": ")
+        for kind in ("infra", "note"):
+            if rest.startswith(f"{kind}: "):
+                return cls(kind, term, rest.removeprefix(f"{kind}: "))
+        return cls("timeout" if rest.startswith("timeout after ") else "error", term, rest)
 
 
 @dataclass
@@ -46,6 +87,18 @@ class EncodedPrompt(NamedTuple):
 
 
 @dataclass
+class Completion:
+    """What an engine returns for one sequence (the engine contract, engine/base.py)."""
+
+    prompt_index: int  # which prompt of the call this answers
+    token_ids: list[int]  # [T] sampled tokens, the stop token included when one was sampled
+    logprobs: list[float]  # [T] log-prob of each token under the distribution it was sampled from
+    finish_reason: FinishReason  # "stop" | "length" | "abort"
+    versions: list[int] = field(default_factory=list)  # [T] policy version that sampled each
+    request_id: int = -1  # the engine's id for the request (native engine)
+
+
+@dataclass
 class Trajectory:
     """One rollout of one prompt: tokens, how they were sampled, and how they scored."""
 
@@ -58,7 +111,8 @@ class Trajectory:
     text: str = ""  # decoded response (filled at the edge, by the rollout stage)
     reward: float = 0.0  # scalar reward used for advantages: sum of weight x score
     scores: dict[str, float] = field(default_factory=dict)  # reward term name -> its score
-    reward_errors: list[str] = field(default_factory=list)  # "term: what happened"
+    reward_errors: list[RewardIssue] = field(default_factory=list)  # what happened while
+    # the terms scored it (failures and notes)
     advantage: float | None = None  # the advantage the update used (a token-level
     # estimator's: the mean over the sampled tokens); None where it was not trained on
     timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. {"rollout": .., "reward": ..}
@@ -87,6 +141,11 @@ class Trajectory:
     def num_turns(self) -> int:
         return max(1, len(self.turns))
 
+    def age(self, version: int) -> int:
+        """Policy versions between this trajectory's oldest token and `version` (its
+        staleness when trained at `version`; 0 without tokens)."""
+        return version - min(self.versions) if self.versions else 0
+
     @property
     def correct(self) -> bool:
         """Solved: the task verifier's term (`CORRECT`) scored 1 (False where not scored)."""
@@ -94,13 +153,15 @@ class Trajectory:
 
     @property
     def reward_info(self) -> dict[str, Any]:
-        """Scores and errors as one JSON object (the trajectory store's column)."""
-        return {**self.scores, "errors": list(self.reward_errors)}
+        """Scores and issues as one JSON object (the trajectory store's column): each issue
+        as its `RewardIssue.to_text` line under "errors"."""
+        return {**self.scores, "errors": [e.to_text() for e in self.reward_errors]}
 
     @staticmethod
-    def split_reward_info(info: dict[str, Any]) -> tuple[dict[str, float], list[str]]:
-        """(scores, errors) of a stored `reward_info` object."""
-        return {k: v for k, v in info.items() if k != "errors"}, list(info.get("errors", []))
+    def split_reward_info(info: dict[str, Any]) -> tuple[dict[str, float], list[RewardIssue]]:
+        """(scores, issues) of a stored `reward_info` object."""
+        return ({k: v for k, v in info.items() if k != "errors"},
+                [RewardIssue.from_text(e) for e in info.get("errors", [])])
 
     @classmethod
     def from_completion(cls, prompt: EncodedPrompt, c: Completion,
@@ -161,3 +222,14 @@ class Batch:
     def token_advantages(self) -> torch.Tensor:
         """[N, 1] or [N, L]: the advantages broadcastable against [N, L] per-token values."""
         return self.advantages[:, None] if self.advantages.dim() == 1 else self.advantages
+
+
+@dataclass(frozen=True)
+class Published:
+    """The weights of one policy version as a trainer published them for the rollout side.
+    `handle` is None when the rollout side reads the trainer's own tensors (one process);
+    else what a rollout worker loads them from (a Ray object reference), `nbytes` in size."""
+
+    version: int
+    handle: Any = None
+    nbytes: int = 0

@@ -129,7 +129,7 @@ def run_vs_trl(path: Path, variants: dict[str, tuple[str, ...]], *, steps: int =
     model, tokenizer = _trl_model(cfg, sides[0].stages)
     trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(sides[0].stages),
                           args=trl_config(cfg, out, rounds, trl_options or {},
-                                          sides[0].stages.info["precision"]["learner"]),
+                                          sides[0].stages.info.precision["learner"]),
                           train_dataset=trl_dataset(sides[0].stages), processing_class=tokenizer)
     gen, prep = [], []
     _timed(trainer, "_generate", gen)

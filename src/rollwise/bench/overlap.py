@@ -35,10 +35,10 @@ from typing import Any
 from rollwise.bench.sides import variant_config
 
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "local-sync": ("run.backend='local'", "run.mode='sync'"),
-    "ray-sync": ("run.backend='ray'", "run.mode='sync'"),
-    "ray-async-1": ("run.backend='ray'", "run.mode='async'", "run.max_staleness=1"),
-    "ray-async-2": ("run.backend='ray'", "run.mode='async'", "run.max_staleness=2"),
+    "local-sync": ("run.backend='local'", "schedule.mode='sync'"),
+    "ray-sync": ("run.backend='ray'", "schedule.mode='sync'"),
+    "ray-async-1": ("run.backend='ray'", "schedule.mode='async'", "schedule.max_staleness=1"),
+    "ray-async-2": ("run.backend='ray'", "schedule.mode='async'", "schedule.max_staleness=2"),
 }
 
 
@@ -48,7 +48,7 @@ def _median(values: list[float]) -> float:
 
 def run_variant(path: Path, name: str, overrides: tuple[str, ...], out: Path, steps: int,
                 warmup: int, extra: list[str]) -> dict[str, Any]:
-    from rollwise.pipeline.build import build_run, run_steps
+    from rollwise.pipeline.build import build, run_steps
     from rollwise.pipeline.loop import train
     from rollwise.run.rundir import Run
 
@@ -56,15 +56,14 @@ def run_variant(path: Path, name: str, overrides: tuple[str, ...], out: Path, st
                          checkpoint_every=0, checkpoint_minutes=0)
     cfg.eval.every = 0
     cfg.eval.before = False
-    stages = build_run(cfg)
+    stages = build(cfg)
     root = Path(cfg.run.output_dir) / cfg.run.name
     run = Run(root, resume=False, echo=lambda s: None)
     start = time.perf_counter()
     try:
         summary = train(stages, run, steps, eval_before=False, steps=run_steps(cfg))
     finally:
-        if hasattr(stages, "shutdown"):
-            stages.shutdown()
+        stages.close()
     total = time.perf_counter() - start
     records = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
     trains = [r for r in records if r["kind"] == "train"]

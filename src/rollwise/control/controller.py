@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollwise.control.posterior import PosteriorBook
 from rollwise.control.sampler import UniformSampler
-from rollwise.types import Group  # importable without torch
+from rollwise.types import EncodedPrompt, Group  # importable without torch
 
 __all__ = ["Allocator", "Controller", "Group", "Request", "prompt_id"]
 
@@ -90,6 +91,10 @@ class Controller:
         self._spent = 0
         self._brier: list[float] = []
         self.last: dict[str, float] = {}
+        self.regenerated = 0  # trajectories asked for again by `regenerate`, all steps
+        # the asynchronous driver regenerates stale groups in the training thread while
+        # the producer thread plans the next step: the posterior book is shared
+        self._lock = threading.RLock()
 
     # -- helpers for allocators ------------------------------------------------------------
     @property
@@ -128,26 +133,49 @@ class Controller:
 
     # -- the round protocol ----------------------------------------------------------------
     def plan(self) -> list[Request]:
-        self._rounds, self._spent, self._brier = [], 0, []
-        return self._checked(self.allocator.plan(self))
+        with self._lock:
+            self._rounds, self._spent, self._brier = [], 0, []
+            return self._checked(self.allocator.plan(self))
 
     def observe(self, groups: list[Group]) -> list[Request]:
+        with self._lock:
+            self._update_book(groups)
+            self._rounds.append(groups)
+            return self._checked(self.allocator.observe(self, groups))
+
+    def _update_book(self, groups: list[Group]) -> None:
         for g in groups:
             pid = g.sample.id
             if self.book.visits(pid):  # calibration: predict this group before seeing it
                 rate = statistics.fmean(min(max(r, 0.0), 1.0) for r in g.rewards)
                 self._brier.append((self.book.mean(pid, self.step) - rate) ** 2)
             self.book.update(pid, g.rewards, self.step)
-        self._rounds.append(groups)
-        return self._checked(self.allocator.observe(self, groups))
+
+    def regenerate(self, stale: list[Group]) -> list[Request]:
+        """Requests to roll out the prompts of `stale` groups again (as many rollouts each):
+        the asynchronous driver's 'regenerate' policy for groups over the staleness bound.
+        Outside the step's budget: they replace rollouts already counted."""
+        with self._lock:
+            requests = [Request(EncodedPrompt(g.sample, g.trajectories[0].prompt_ids),
+                                len(g.trajectories))
+                        for g in stale if g.trajectories]
+            self.regenerated += sum(r.n for r in requests)
+            return requests
+
+    def observe_regenerated(self, groups: list[Group]) -> None:
+        """Scored regenerated groups update the posteriors like any other round's (they
+        are not a round of the step being planned: no further requests follow)."""
+        with self._lock:
+            self._update_book(groups)
 
     def finish(self) -> tuple[list[Group], list[Group]]:
         """(every group of the step, merged per prompt; the groups to train on)."""
-        rolled = merge_groups([g for r in self._rounds for g in r])
-        train = self.allocator.train_groups(self, rolled)
-        self.last = self._metrics(rolled, train)
-        self.step += 1
-        return rolled, train
+        with self._lock:
+            rolled = merge_groups([g for r in self._rounds for g in r])
+            train = self.allocator.train_groups(self, rolled)
+            self.last = self._metrics(rolled, train)
+            self.step += 1
+            return rolled, train
 
     def _checked(self, requests: list[Request]) -> list[Request]:
         bad = [r.n for r in requests if r.n < 1]
@@ -179,9 +207,10 @@ class Controller:
 
     # -- resume ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "book": self.book.state_dict(),
-                "allocator": self.allocator.state_dict(),
-                "floor": self.floor_sampler.state_dict()}
+        with self._lock:
+            return {"step": self.step, "book": self.book.state_dict(),
+                    "allocator": self.allocator.state_dict(),
+                    "floor": self.floor_sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])

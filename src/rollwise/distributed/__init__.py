@@ -1,10 +1,12 @@
 """Rollout workers, the reward pool and the learner as Ray actors (run.backend = "ray").
 
-The driver stays one process running `loop.py` (or `asyncloop.py`) over `RayStages`, the
-same stages with their work placed on actors; docs/scaling.md.
+The driver stays one process running the same drivers over the same `Stages`; its two
+ports (rollout, trainer) are placed on actors here (`place_on_ray`); docs/scaling.md.
+May import `compose` (the part builders the actors use) and the components; never
+`pipeline`.
 """
 
 from rollwise.distributed.cluster import connect, import_ray
-from rollwise.distributed.stages import LearnerDied, RayStages, build_distributed
+from rollwise.distributed.ports import LearnerDied, RayRollout, RayTrainer, place_on_ray
 
-__all__ = ["LearnerDied", "RayStages", "build_distributed", "connect", "import_ray"]
+__all__ = ["LearnerDied", "RayRollout", "RayTrainer", "connect", "import_ray", "place_on_ray"]

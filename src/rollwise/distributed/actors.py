@@ -6,7 +6,7 @@
     LearnerWorker   a `Learner`; publishes its weights once per version into the object
                     store (one copy, read by every worker)
 
-Plain classes: `rollwise.distributed.stages` makes them actors (`ray.remote`) with the
+Plain classes: `rollwise.distributed.ports` makes them actors (`ray.remote`) with the
 restart options, so this module imports without Ray.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from rollwise.rewards import RewardPool, RewardStats
 from rollwise.system.runtime import configure as configure_runtime
-from rollwise.types import Trajectory
+from rollwise.types import Published, Trajectory
 
 
 def _config(data: dict):
@@ -119,7 +119,7 @@ class RolloutWorker:
 
         start = time.perf_counter()
         load_plain(self.policy.model, ray.get(ref))
-        self.stage.publish(version)
+        self.stage.publish(Published(version))
         return time.perf_counter() - start
 
 
@@ -165,6 +165,9 @@ class LearnerWorker:
         start = time.perf_counter()
         out = self.learner.update(batch)
         return out, time.perf_counter() - start
+
+    def reference_kl(self, batch):
+        return self.learner.reference_kl(batch)
 
     def publish(self, version: int):
         """The weights of `version` put once into the object store: ([reference], bytes)."""

@@ -39,7 +39,7 @@ from rollwise.algos import aggregate, is_zero_at_zero_advantage
 from rollwise.learner.batch import micro_batches, take_rows
 from rollwise.learner.logprobs import token_logprobs
 from rollwise.learner.memory import enable_checkpointing, fit_budget, reference_copy
-from rollwise.types import Batch
+from rollwise.types import Batch, Published
 
 
 class Learner:
@@ -221,6 +221,18 @@ class Learner:
             return float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         grads = [p.grad.norm() for p in self.params if p.grad is not None]
         return float(torch.stack(grads).norm()) if grads else 0.0
+
+    # -- the trainer port (pipeline/ports.py), in this process ------------------------------
+    def publish(self, version: int) -> Published:
+        """In one process the rollout engine reads this learner's tensors: nothing to send."""
+        return Published(version)
+
+    def sync_into(self, model) -> None:
+        """The driver's model is the one this learner trains: always current."""
+        return None
+
+    def close(self) -> None:
+        pass
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

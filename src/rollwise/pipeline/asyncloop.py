@@ -26,27 +26,25 @@ import json
 import threading
 import time
 
-from rollwise.control import Request
 from rollwise.pipeline.loop import Collected, collect, learn, staleness_histogram
 from rollwise.run.rundir import Run, StepTimer
 from rollwise.pipeline.stages import Stages
-from rollwise.types import EncodedPrompt, Group
+from rollwise.types import Group
 
 STALE_POLICIES = ("drop", "regenerate")
 
 
 def staleness(group: Group, version: int) -> int:
     """Versions between the group's oldest token and `version` (0 when it has no tokens)."""
-    oldest = [min(t.versions) for t in group.trajectories if t.versions]
-    return version - min(oldest) if oldest else 0
+    return max((t.age(version) for t in group.trajectories), default=0)
 
 
 def bound_staleness(stages: Stages, batch: Collected, version: int, max_staleness: int,
                     policy: str) -> int:
     """Remove from `batch.kept` the groups with a trajectory more than `max_staleness`
     versions behind `version` and count their trajectories (`batch.stale_dropped`); with
-    policy 'regenerate' their prompts are rolled out again (current weights) and trained
-    in their place. The groups removed: how many."""
+    policy 'regenerate' the controller asks for their prompts again (current weights),
+    sees their scores, and they are trained in their place. The groups removed: how many."""
     if policy not in STALE_POLICIES:
         raise ValueError(f"stale_policy must be one of {', '.join(STALE_POLICIES)}, "
                          f"got '{policy}'")
@@ -56,11 +54,9 @@ def bound_staleness(stages: Stages, batch: Collected, version: int, max_stalenes
     batch.kept = [g for g in batch.kept if all(g is not s for s in stale)]
     batch.stale_dropped += sum(len(g.trajectories) for g in stale)
     if policy == "regenerate":
-        requests = [Request(EncodedPrompt(g.sample, g.trajectories[0].prompt_ids),
-                            len(g.trajectories)) for g in stale]
-        groups = stages.rollout(requests)
-        batch.reward_stats = batch.reward_stats + stages.score(groups)
-        batch.requested += sum(r.n for r in requests)
+        groups, stats, requested = stages.regenerate(stale)
+        batch.reward_stats = batch.reward_stats + stats
+        batch.requested += requested
         batch.groups = batch.groups + groups
         batch.kept = batch.kept + groups
     return len(stale)

@@ -1,22 +1,24 @@
-"""The composition root: a validated `Config` becomes the parts of `Stages` (stages.py).
+"""The composition root: a validated `Config` becomes `Stages` (stages.py), each part built
+once, where it runs.
 
-Wiring only: this, `parts.py` (one builder per part) and the CLI are the only places that
-read the config tree, and every part takes plain arguments.
+Wiring only: this, `compose/parts.py` (one builder per part) and the CLI are the only
+places that read the config tree, and every part takes plain arguments. The placement
+(`run.backend`) decides where the two ports of `Stages` run: 'local' builds the rollout
+stage and the learner in this process, 'ray' builds them inside actors
+(rollwise.distributed.place_on_ray). Everything else (the allocator, the evaluator, the
+driver's copy of the policy) is built here the same way for both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 
 from rollwise.algos import advantage_estimators, lookup
 from rollwise.compose.config import Config
-from rollwise.control import UniformSampler
-from rollwise.pipeline.evaluate import EpisodeEvaluator, Evaluator
-from rollwise.models import Policy
 from rollwise.compose.parts import (
     build_control,
     build_engine,
@@ -28,133 +30,171 @@ from rollwise.compose.parts import (
     build_policy,
     build_precision,
     build_rollout_stage,
+    build_sampling,
     build_task,
     check_enough_prompts,
     reward_specs,
     reward_timeout,
     verify_by_task,
 )
+from rollwise.compose.precision import PrecisionChoice
+from rollwise.control import UniformSampler
+from rollwise.engine.base import Engine
+from rollwise.models import Policy
+from rollwise.pipeline.evaluate import Episodes, Evaluator, Generated
+from rollwise.pipeline.stages import BuildInfo, Stages, encode_prompts
 from rollwise.rewards import RewardPool, RewardSpec
 from rollwise.system.runtime import configure as configure_runtime
-from rollwise.pipeline.stages import Stages, encode_prompts
+from rollwise.tasks import Task
+from rollwise.types import EncodedPrompt
 
-__all__ = ["Stages", "build", "build_policy", "build_run", "check_run_config", "encode_prompts",
-           "run_steps"]
+__all__ = ["Stages", "build", "build_policy", "check_run_config", "encode_prompts", "run_steps"]
+
+Rewards = dict[str, tuple[Callable, float]]
 
 
-def build(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None, *,
+@dataclass
+class _Scoring:
+    """What the reward side needs, settled before the model loads."""
+
+    specs: list[RewardSpec]  # the training verifiers and their weights
+    timeout_s: float
+    eval_pool: RewardPool  # the evaluation verifier (`correct`), per task of eval.tasks
+    extra: list[tuple[str, Task]]  # eval.tasks: (label, Task)
+
+
+def build(cfg: Config, rewards: Rewards | None = None, *,
           policy: Policy | None = None) -> Stages:
     """`rewards`: the caller's own verifiers (name -> (function, weight)) besides the
     config's terms; the Python API (`rollwise.train`) passes them. `policy`: an already
-    built policy to use instead of building one (a Ray actor receives the driver's)."""
+    built policy to use instead of building one."""
     from rollwise.compose.preflight import check_config
 
     # names, options and devices, before the model loads
     check_config(cfg, {name: fn for name, (fn, _) in (rewards or {}).items()})
+    check_run_config(cfg)
     configure_runtime(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
-    t = cfg.task
     task = build_task(cfg)
     check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
-    judge = build_judge(cfg) if "judge" in t.rewards else None  # preflight: fails fast, with the URL
-    specs = reward_specs(cfg, task, rewards, judge=judge)
-    # Verifier worker processes are forked before the model exists: forked later, each would
+    scoring = _scoring(cfg, task, rewards)
+    # Reward worker processes are forked before the model exists: forked later, each would
     # keep a copy-on-write copy of every page training then writes (weights, KV cache).
+    train_pool = (RewardPool(scoring.specs, timeout_s=scoring.timeout_s).start()
+                  if cfg.run.backend == "local" else None)
+    policy = policy if policy is not None else build_policy(cfg, task)
+    r = cfg.rollout
+    train_prompts, skipped = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
+    check_enough_prompts(len(train_prompts), skipped, r.prompts_per_step)
+    eval_prompts, eval_skipped = _eval_prompts(cfg, policy, task, scoring.extra)
+    precision = build_precision(cfg, policy)
+    sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
+    control = build_control(cfg, sampler)
+    if train_pool is not None:
+        rollout = build_rollout_stage(cfg, policy, precision, train_pool.score, task=task,
+                                      fetch=control.extra if task.env is None else None)
+        trainer, resources = build_learner(cfg, policy, precision), [train_pool]
+        weights_from = rollout.engine  # the evaluator reads the rollout engine's weights
+    else:
+        from rollwise.distributed import place_on_ray
+
+        rollout, trainer, connection = place_on_ray(cfg, policy, precision, scoring.specs,
+                                                    scoring.timeout_s)
+        resources, weights_from = [connection], None
+    evaluator = _evaluator(cfg, policy, task, precision, eval_prompts, scoring.eval_pool,
+                           weights_from)
+    a = cfg.algorithm
+    info = BuildInfo(
+        train_prompts=len(train_prompts), eval_prompts=len(eval_prompts),
+        skipped_train_prompts=skipped, skipped_eval_prompts=eval_skipped,
+        parameters=sum(p.numel() for p in policy.model.parameters()),
+        trainable_parameters=sum(p.numel() for p in policy.model.parameters()
+                                 if p.requires_grad),
+        precision=precision.record(), precision_line=precision.line(),
+        placement=({"backend": "ray", "rollout_workers": cfg.ray.num_workers}
+                   if cfg.run.backend == "ray" else {}),
+        task={**{k: v for _, x in scoring.extra for k, v in x.info.items()}, **task.info})
+    return Stages(
+        policy=policy, task=task, sampler=sampler, control=control, rollout_stage=rollout,
+        learner=trainer, evaluator=evaluator, info=info,
+        advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
+        advantage_options=dict(a.advantage_options),
+        group_rewards=build_group_terms(cfg, rewards or {}), mask_truncated=a.mask_truncated,
+        kl_in_reward=a.kl_coef if a.kl_in_reward else 0.0,
+        resources=[*resources, scoring.eval_pool])
+
+
+def _scoring(cfg: Config, task: Task, rewards: Rewards | None) -> _Scoring:
+    """The training verifiers, their time limit, and the evaluation pool (started here:
+    before the model loads, see `build`)."""
+    judge = build_judge(cfg) if "judge" in cfg.task.rewards else None  # fails fast, with the URL
+    specs = reward_specs(cfg, task, rewards, judge=judge)
     timeout_s = reward_timeout(cfg, task)  # code tasks: a retried sandbox run
-    train_pool = RewardPool(specs, timeout_s=timeout_s).start()
     extra = build_eval_tasks(cfg)  # eval.tasks: (label, Task), built before the pools fork
-    eval_verify = task.verifier
+    eval_verify, eval_timeout = task.verifier, timeout_s
     if extra:
         verifiers = {task.name: task.verifier, **{label: x.verifier for label, x in extra}}
         eval_verify = partial(verify_by_task, verifiers=verifiers)
-        timeout_s = max([timeout_s] + [x.reward_timeout_s or 0.0 for _, x in extra])
-    eval_pool = RewardPool([RewardSpec("correct", eval_verify)],
-                           timeout_s=timeout_s).start()
-    policy = policy if policy is not None else build_policy(cfg, task)
-    r, e, a = cfg.rollout, cfg.eval, cfg.algorithm
-    train_prompts, skipped = encode_prompts(policy, task.train, r.max_prompt_tokens, r.max_tokens)
-    check_enough_prompts(len(train_prompts), skipped, r.prompts_per_step)
-    eval_max = e.max_tokens or r.max_tokens
-    eval_samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
+        eval_timeout = max([timeout_s] + [x.reward_timeout_s or 0.0 for _, x in extra])
+    eval_pool = RewardPool([RewardSpec("correct", eval_verify)], timeout_s=eval_timeout).start()
+    return _Scoring(specs, timeout_s, eval_pool, extra)
+
+
+def _eval_prompts(cfg: Config, policy: Policy, task: Task,
+                  extra: list[tuple[str, Task]]) -> tuple[list[EncodedPrompt], int]:
+    """The held-out prompts (each labelled with its task when eval.tasks adds some)."""
+    e, r = cfg.eval, cfg.rollout
+    samples = task.eval[: e.num_prompts] if e.num_prompts else task.eval
     if extra:  # every sample labelled with its task, for the per-task figures
-        eval_samples = [replace(s, meta={**s.meta, "eval_task": label})
-                        for label, samples in [(task.name, eval_samples)] +
-                        [(label, x.eval) for label, x in extra] for s in samples]
-    eval_prompts, eval_skipped = encode_prompts(policy, eval_samples, r.max_prompt_tokens, eval_max)
-    precision = build_precision(cfg, policy)
-    rollout_stage = build_rollout_stage(cfg, policy, precision, train_pool.score, task=task)
-    engine = rollout_stage.engine
-    group_terms = build_group_terms(cfg, rewards or {})
-    learner = build_learner(cfg, policy, precision)
-    eval_engine = build_engine(r.engine, policy, e.batch_size, r.kv_budget_tokens,
-                                precision.rollout, weights_from=engine,
-                                decode_step=r.decode_step)
-    evaluator = Evaluator(
-        engine=eval_engine,
-        prompts=eval_prompts,
-        pool=eval_pool,
-        decode=policy.decode, max_tokens=eval_max, pass_k=e.pass_k, pass_samples=e.pass_samples,
-        temperature=r.temperature or 1.0, chunk=e.batch_size)
-    sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
-    control = build_control(cfg, sampler)
+        samples = [replace(s, meta={**s.meta, "eval_task": label})
+                   for label, group in [(task.name, samples)] + [(lb, x.eval) for lb, x in extra]
+                   for s in group]
+    return encode_prompts(policy, samples, r.max_prompt_tokens, e.max_tokens or r.max_tokens)
+
+
+def _evaluator(cfg: Config, policy: Policy, task: Task, precision: PrecisionChoice,
+               prompts: list[EncodedPrompt], pool: RewardPool,
+               weights_from: Engine | None) -> Evaluator:
+    """The evaluator over its own engine: one reading the rollout engine's weights in this
+    process, else one over the driver's copy of the policy."""
+    r, e = cfg.rollout, cfg.eval
+    engine = build_engine(cfg.engine.name, policy, e.batch_size, cfg.engine.kv_budget_tokens,
+                          precision.rollout, weights_from=weights_from,
+                          decode_step=cfg.engine.decode_step)
     if task.env is None:
-        rollout_stage.fetch = control.extra
+        rollouts = Generated(engine, pool, policy.decode)
     else:  # multi-turn episodes: one greedy episode per held-out prompt (docs/agents.md)
-        evaluator = EpisodeEvaluator(build_episode_runner(cfg, eval_engine, rollout_stage.sampling,
-                                                     policy, task, tree=False),
-                                     eval_prompts, eval_max, chunk=e.batch_size)
-    return Stages(
-        policy=policy, task=task, sampler=sampler, control=control,
-        rollout_stage=rollout_stage,
-        learner=learner, evaluator=evaluator,
-        advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
-        advantage_options=dict(a.advantage_options), group_rewards=group_terms,
-        mask_truncated=a.mask_truncated, kl_in_reward=a.kl_coef if a.kl_in_reward else 0.0,
-        info={"skipped_train_prompts": skipped, "skipped_eval_prompts": eval_skipped,
-              "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
-              "parameters": sum(p.numel() for p in policy.model.parameters()),
-              "trainable_parameters": sum(p.numel() for p in learner.params),
-              "precision": precision.record(), "precision_line": precision.line(),
-              **{k: v for _, x in extra for k, v in x.info.items()}, **task.info},
-    )
+        rollouts = Episodes(build_episode_runner(cfg, engine, build_sampling(cfg), policy,
+                                                 task, tree=False))
+    return Evaluator(engine=engine, rollouts=rollouts, prompts=prompts,
+                     max_tokens=e.max_tokens or r.max_tokens, pass_k=e.pass_k,
+                     pass_samples=e.pass_samples, temperature=r.temperature or 1.0,
+                     chunk=e.batch_size)
 
 
 def check_run_config(cfg: Config) -> None:
-    """run.backend / run.mode combinations that cannot work, before anything loads."""
+    """Placement and schedule combinations that cannot work, before anything loads."""
     from rollwise.compose.config import ConfigError
 
-    rc = cfg.run
-    if rc.mode == "async" and rc.backend == "local" and rc.max_staleness > 0:
+    s, backend = cfg.schedule, cfg.run.backend
+    if s.mode == "async" and backend == "local" and s.max_staleness > 0:
         raise ConfigError(
-            f"run.mode='async' with run.max_staleness={rc.max_staleness} needs "
+            f"schedule.mode='async' with schedule.max_staleness={s.max_staleness} needs "
             "run.backend='ray': in one process the engine reads the learner's weights, which "
             "an update changes in place while the next rollouts run (max_staleness=0 runs "
             "locally, and is synchronous training)")
-    if rc.backend == "local" and cfg.rollout.num_workers > 1:
-        raise ConfigError(f"rollout.num_workers={cfg.rollout.num_workers} needs "
+    if backend == "local" and cfg.ray.num_workers > 1:
+        raise ConfigError(f"ray.num_workers={cfg.ray.num_workers} needs "
                           "run.backend='ray' (the local backend has one engine)")
-
-
-def build_run(cfg: Config, rewards: dict[str, tuple[Callable, float]] | None = None) -> Stages:
-    """The stages a run drives: `build` for run.backend 'local'; with 'ray' the same stages
-    with rollout, reward and learner placed on Ray actors (rollwise.distributed)."""
-    check_run_config(cfg)
-    if cfg.run.backend == "ray":
-        from rollwise.distributed import build_distributed
-
-        return build_distributed(cfg, rewards)
-    return build(cfg, rewards)
 
 
 def run_steps(cfg: Config):
     """How the driver runs a step for this config: `loop.SyncSteps`, or the asynchronous
     driver with its staleness bound (`loop.train(..., steps=run_steps(cfg))`)."""
-    from functools import partial
-
     from rollwise.pipeline.asyncloop import AsyncSteps
     from rollwise.pipeline.loop import SyncSteps
 
-    if cfg.run.mode == "sync":
+    if cfg.schedule.mode == "sync":
         return SyncSteps
-    return partial(AsyncSteps, max_staleness=cfg.run.max_staleness,
-                   stale_policy=cfg.run.stale_policy)
+    return partial(AsyncSteps, max_staleness=cfg.schedule.max_staleness,
+                   stale_policy=cfg.schedule.stale_policy)

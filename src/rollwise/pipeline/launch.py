@@ -13,7 +13,7 @@ changes before every check has passed:
    resumed only with the same functions; a finished run stops here (`RunFinished`),
    touching nothing;
 2. every name, option and signature (preflight) and the loggers' extras;
-3. the model loads (`build_run`);
+3. the model loads (`build`);
 4. a new run claims its directory; the run directory is opened, and its loggers continue
    the logger runs it started (their ids are kept in run.json).
 """
@@ -30,7 +30,7 @@ from rollwise.compose.config import Config, ConfigError, flatten, load_config, t
 from rollwise.run.rundir import Run, claim_run_dir, finished_step, read_run_file, update_run_file
 
 if TYPE_CHECKING:  # the stages import torch; this module is read before the model loads
-    from rollwise.pipeline.stages import Stages
+    from rollwise.pipeline.stages import BuildInfo, Stages
 
 Rewards = dict[str, tuple[Callable, float]]  # name -> (function, weight), from Python
 
@@ -39,8 +39,7 @@ FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.checkpoint_every",
                   "run.checkpoint_minutes", "run.keep_checkpoints", "run.loggers", "run.device",
                   "eval.", "health.")
 # where the stages run, not what they compute (group numbering makes the samples the same)
-FREE_TO_CHANGE += ("run.backend", "run.ray_address", "rollout.num_workers",
-                   "rollout.worker_cpus")
+FREE_TO_CHANGE += ("run.backend", "ray.")
 
 
 class RunFinished(Exception):
@@ -129,7 +128,7 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
     run's step lines, `warn` what deserves attention (default: `echo`). Raises
     ConfigError (and ValueError, RunLockedError) before anything changes on disk, and
     `RunFinished` when `resume` has nothing left to train."""
-    from rollwise.pipeline.build import build_run
+    from rollwise.pipeline.build import build
     from rollwise.run.health import HealthCheck
     from rollwise.observe.loggers import check_loggers
     from rollwise.compose.preflight import check_config
@@ -152,7 +151,7 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
     echo(f"rollwise {cfg.run.name}: model {cfg.model.name}, task {cfg.task.name}, "
          f"{cfg.run.num_steps} steps -> {resume if resume is not None else cfg.run.output_dir}")
     try:
-        stages = build_run(cfg, rewards)
+        stages = build(cfg, rewards)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -165,24 +164,25 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
               keep_checkpoints=cfg.run.keep_checkpoints, loggers=_loggers(cfg, root, warn),
               health=HealthCheck(cfg.health.patience, cfg.health.max_loss, cfg.health.max_kl))
     update_run_file(root, functions=functions)
-    run.summary.update({"model": cfg.model.name, "task": cfg.task.name, **stages.info})
+    run.summary.update({"model": cfg.model.name, "task": cfg.task.name,
+                        **stages.info.summary()})
     if functions:
         run.summary["python_rewards"] = sorted(functions)
     run.config_changes = {k: list(v) for k, v in changes.items()}
     return Opened(cfg, root, stages, run)
 
 
-def _echo_build(info: dict, echo: Callable[[str], None], warn: Callable[[str], None]) -> None:
+def _echo_build(info: BuildInfo, echo: Callable[[str], None], warn: Callable[[str], None]) -> None:
     """The build's lines: the precision chosen, the sandbox of code tasks, prompts skipped."""
-    echo(info["precision_line"])
-    if "sandbox" in info:  # code tasks: what isolates model-written code here
-        box = info["sandbox"]
+    echo(info.precision_line)
+    if "sandbox" in info.task:  # code tasks: what isolates model-written code here
+        box = info.task["sandbox"]
         line = f"sandbox: {box['isolation']} ({'; '.join(box.get('layers', []))})"
         if box["security_boundary"]:
             echo(line)
         else:
             warn(f"{line} (limits only: NOT a security boundary, docs/rewards.md)")
-    skipped = info["skipped_train_prompts"] + info["skipped_eval_prompts"]
+    skipped = info.skipped_train_prompts + info.skipped_eval_prompts
     if skipped:
         warn(f"skipped {skipped} prompts longer than the context budget (counted in "
              "summary.json)")
@@ -210,5 +210,4 @@ def train_run(opened: Opened) -> dict:
                      eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
                      checkpoint_seconds=cfg.run.checkpoint_minutes * 60, steps=run_steps(cfg))
     finally:
-        if hasattr(stages, "shutdown"):  # the Ray backend's actors
-            stages.shutdown()
+        stages.close()

@@ -109,8 +109,7 @@ class Collected:
 
 def staleness_histogram(groups: list[Group], version: int) -> dict[str, int]:
     """Trajectories by how many versions their oldest token lags `version`: 0, 1, 2, 3+."""
-    ages = Counter(min(version - min(t.versions), 3) if t.versions else 0
-                   for g in groups for t in g.trajectories)
+    ages = Counter(min(t.age(version), 3) for g in groups for t in g.trajectories)
     return {f"staleness_hist_{k if k < 3 else '3plus'}": ages.get(k, 0) for k in range(4)}
 
 

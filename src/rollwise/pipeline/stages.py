@@ -1,59 +1,93 @@
-"""The stages of the driver in `loop.py`, as one object built by `build.py`.
+"""The stages of the drivers (`loop.py`, `asyncloop.py`), as one object built by `build.py`.
 
-Each method is one named stage; the work lives in the parts it holds (the controller, the
-rollout stage, the reward terms, the learner, the evaluator). Nothing here reads the
-config tree: `build.py` passes plain arguments.
+Each method is one named stage; the work lives in the parts it holds: the controller, the
+rollout port, the reward terms applied per group, the trainer port and the evaluator. The
+ports (pipeline/ports.py) are where placement shows: the same `Stages` drives a rollout
+stage and a learner in this process, or rollout workers and a learner on Ray actors.
+Nothing here reads the config tree: `build.py` passes plain arguments.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 from rollwise.control import Controller, Request, UniformSampler
-from rollwise.pipeline.evaluate import Evaluator
-from rollwise.learner import Learner, prepare_batch
+from rollwise.learner import prepare_batch
 from rollwise.models import Policy
+from rollwise.pipeline.evaluate import Evaluator
+from rollwise.pipeline.ports import RolloutPort, TrainerPort
 from rollwise.rewards import RewardStats, mask_infra_failures
 from rollwise.rewards.group import GroupTerm, apply_group_rewards
-from rollwise.rollout import RolloutStage
 from rollwise.tasks import Task
 from rollwise.types import Batch, EncodedPrompt, Group, Sample
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+@dataclass
+class BuildInfo:
+    """Figures of a build, for the run's header lines and its summary."""
+
+    train_prompts: int
+    eval_prompts: int
+    skipped_train_prompts: int  # longer than the context budget
+    skipped_eval_prompts: int
+    parameters: int
+    trainable_parameters: int
+    precision: dict[str, Any]  # the precision chosen for each part, and why
+    precision_line: str
+    placement: dict[str, Any] = field(default_factory=dict)  # e.g. {"backend": "ray", ...}
+    task: dict[str, Any] = field(default_factory=dict)  # the task's own (e.g. "sandbox")
+
+    def summary(self) -> dict[str, Any]:
+        """One flat record, as summary.json keeps it."""
+        out = asdict(self)
+        return {**{k: v for k, v in out.items() if k not in ("placement", "task")},
+                **self.placement, **self.task}
 
 
 @dataclass
 class Stages:
     """The built parts; each method is one named stage of the driver."""
 
-    policy: Policy
+    policy: Policy  # the driver's copy: evaluation and checkpoints read it
     task: Task
     sampler: UniformSampler[EncodedPrompt]
     control: Controller  # the rollout allocator: which prompts, how many rollouts each
-    rollout_stage: RolloutStage  # rollouts and their scoring (the reward pool's `score`)
-    learner: Learner
-    evaluator: Evaluator  # or EpisodeEvaluator (tasks with an environment)
+    rollout_stage: RolloutPort  # rollouts and their scoring
+    learner: TrainerPort
+    evaluator: Evaluator
     advantage_fn: Callable
+    info: BuildInfo
     advantage_options: dict[str, Any] = field(default_factory=dict)
     group_rewards: list[GroupTerm] = field(default_factory=list)  # after the verifiers
     mask_truncated: bool = False
     kl_in_reward: float = 0.0  # KL coefficient of the KL-in-reward penalty (0: off)
-    info: dict[str, Any] = field(default_factory=dict)  # figures of the build, for the summary
+    resources: list[Closeable] = field(default_factory=list)  # closed with the stages
 
     @property
     def model(self):
+        """The driver's model at the latest published version (checkpoints save it)."""
+        self._sync_driver()
         return self.policy.model
 
     @property
     def engine(self):
-        return self.rollout_stage.engine
+        """The engine in this process: the rollout engine, else the evaluator's."""
+        return getattr(self.rollout_stage, "engine", None) or self.evaluator.engine
 
     def select(self) -> list[Request]:
         """The allocator's first round of the step: which prompts, how many rollouts each."""
         return self.control.plan()
 
     def rollout(self, requests: list[Request]) -> list[Group]:
+        if not requests:
+            return []
         return self.rollout_stage.run([r.prompt for r in requests], [r.n for r in requests])
 
     def score(self, groups: list[Group]) -> RewardStats:
@@ -71,8 +105,18 @@ class Stages:
         """(every group of the step merged per prompt, the groups the allocator trains on)."""
         return self.control.finish()
 
+    def regenerate(self, stale: list[Group]) -> tuple[list[Group], RewardStats, int]:
+        """Roll out the prompts of `stale` groups again with the current weights, through
+        the controller (which asks for them and sees their scores): (the new groups, their
+        reward counts, the trajectories requested)."""
+        requests = self.control.regenerate(stale)
+        groups = self.rollout(requests)
+        stats = self.score(groups)
+        self.control.observe_regenerated(groups)
+        return groups, stats, sum(r.n for r in requests)
+
     def control_metrics(self) -> dict[str, float]:
-        """The allocator's figures and the rollout scheduler's, for this step's record."""
+        """The allocator's figures and the rollout port's, for this step's record."""
         return dict(self.control.last) | self.rollout_stage.metrics()
 
     def advantages(self, groups: list[Group]) -> Batch:
@@ -85,34 +129,51 @@ class Stages:
         return self.learner.update(batch)
 
     def publish(self, version: int) -> dict[str, float]:
-        """The engine reads the new weights (in process: in place, or converted when
-        rollout.dtype differs from the model's); the time it took, for the step's record."""
+        """The rollout side samples with the trainer's weights as `version` from now on; the
+        time it took (and the bytes sent, when they travel), for the step's record."""
         start = time.perf_counter()
-        self.rollout_stage.publish(version)
-        return {"publish_seconds": time.perf_counter() - start}
+        weights = self.learner.publish(version)
+        self.rollout_stage.publish(weights)
+        out = {"publish_seconds": time.perf_counter() - start}
+        return out | ({"weights_bytes": weights.nbytes} if weights.nbytes else {})
 
     def evaluate(self) -> dict[str, float]:
+        self._sync_driver()
         return self.evaluator()
 
+    def _sync_driver(self) -> None:
+        """The driver's policy brought to the latest published version (a trainer in
+        another process); the evaluator's engine follows it."""
+        version = self.learner.sync_into(self.policy.model)
+        if version is not None:
+            self.evaluator.publish(version)
+
+    # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
         return self.learner.state_dict(), self.stage_state()
 
     def stage_state(self) -> dict:
         """What changes between steps besides the weights and the optimizer (plain data)."""
-        state = {"sampler": self.sampler.state_dict(), "version": self.engine.version,
+        state = {"sampler": self.sampler.state_dict(), "version": self.rollout_stage.version,
                  "control": self.control.state_dict()}
         rollout = self.rollout_stage.state_dict()
-        if rollout is not None:  # the partial pool and the reuse cache
+        if rollout is not None:  # partial pools, the reuse cache, the group numbering
             state["rollout"] = rollout
         return state
 
     def load_state_dict(self, learner_state: dict, state: dict) -> None:
+        """A checkpoint: the driver's model already holds its weights (load_checkpoint)."""
         self.learner.load_state_dict(learner_state)
         self.sampler.load_state_dict(state["sampler"])
         if "control" in state:  # checkpoints before adaptive allocation have none
             self.control.load_state_dict(state["control"])
         self.rollout_stage.load_state_dict(state.get("rollout"))
-        self.rollout_stage.publish(state["version"])
+        self.rollout_stage.publish(self.learner.publish(state["version"]))
+
+    def close(self) -> None:
+        """Stop what the stages hold: the ports' threads, processes and actors, the pools."""
+        for part in [self.rollout_stage, self.learner, *self.resources]:
+            part.close()
 
 
 def encode_prompts(policy: Policy, samples: list[Sample], max_prompt_tokens: int,

@@ -20,7 +20,7 @@ from rollwise.rewards.pool import RewardStats
 from rollwise.rollout.episodes import EpisodeFigures, EpisodeRunner
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scheduler import RolloutScheduler
-from rollwise.types import EncodedPrompt, Group, Trajectory
+from rollwise.types import EncodedPrompt, Group, Published, Trajectory
 
 Scorer = Callable[[list[Trajectory]], RewardStats]  # scores in place, returns the counts
 
@@ -120,8 +120,20 @@ class RolloutStage:
         rounds, self._figures = self._figures, []
         return rounds
 
-    def publish(self, version: int) -> None:
-        self.engine.publish(version)
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def publish(self, weights: Published) -> None:
+        """In one process the engine reads the trainer's tensors (or converts them, when
+        the rollout dtype differs): `weights` carries the version only."""
+        self.engine.publish(weights.version)
+
+    def close(self) -> None:
+        """Stop the scoring thread (started again if the stage is used after)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def state_dict(self) -> dict[str, Any] | None:
         """The scheduler's partial pool and reuse cache; None on the plain path."""

@@ -1,0 +1,91 @@
+"""The two ports of `Stages`: where rollouts run and where the policy trains.
+
+A placement is a choice of one object per port; `Stages` calls the same methods whatever
+the choice, so the drivers never ask where anything runs.
+
+    port       in this process                  on Ray (rollwise.distributed)
+    rollout    rollout.RolloutStage              RayRollout: rollout workers + a reward actor
+    trainer    learner.Learner                   RayTrainer: a learner actor
+
+An inference server in another process is one more rollout placement: an object with the
+methods of `RolloutPort`, weights published to it by version.
+
+Weights flow one way, by version: `trainer.publish(v)` returns a `Published` record
+(no handle when the rollout side reads the trainer's tensors), `rollout.publish(it)`
+makes version v the one later tokens are sampled with. The driver keeps its own copy of
+the policy for evaluation and checkpoints; `trainer.sync_into(model)` brings it to the
+latest published version (nothing to do in one process, where it is the trained model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from rollwise.rewards import RewardStats
+from rollwise.types import Batch, EncodedPrompt, Group, Published
+
+
+class RolloutPort(Protocol):
+    """Encoded prompts in, groups of scored trajectories out."""
+
+    @property
+    def version(self) -> int:
+        """The policy version new tokens are sampled with."""
+        ...
+
+    def run(self, prompts: list[EncodedPrompt], sizes: list[int]) -> list[Group]:
+        """Groups for `prompts` (`sizes[i]` samples for prompt i); scoring may start early."""
+        ...
+
+    def score(self, groups: list[Group]) -> RewardStats:
+        """Every trajectory of `groups` scored (in place); the counts of how it went."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """This step's rollout figures; resets."""
+        ...
+
+    def publish(self, weights: Published) -> None:
+        """Sample later tokens with the weights of `weights.version`."""
+        ...
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps between steps (partial pools, group numbering), or None."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None: ...
+
+    def close(self) -> None:
+        """Release what the port holds (threads, processes, actors); idempotent."""
+        ...
+
+
+class TrainerPort(Protocol):
+    """Batches in, updated weights out."""
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One update (all of its epochs) on `batch`; its figures."""
+        ...
+
+    def reference_kl(self, batch: Batch) -> Any:
+        """[N, L] per-token KL of the behaviour policy against the reference (KL in reward)."""
+        ...
+
+    def publish(self, version: int) -> Published:
+        """The current weights made available to the rollout side as `version`."""
+        ...
+
+    def sync_into(self, model: Any) -> int | None:
+        """Copy the latest published weights into `model` (the driver's policy) when it
+        holds an older version; the version loaded, or None when nothing changed."""
+        ...
+
+    def state_dict(self) -> dict:
+        """The optimizer and schedule state a checkpoint keeps (the weights are the model's)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state`; the weights are those of the driver's model, loaded before."""
+        ...
+
+    def close(self) -> None: ...
