@@ -173,7 +173,7 @@ def test_unreachable_address_fails_fast_and_missing_ray_names_the_install(monkey
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached"))
     monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:9")  # the variable is read too
     start = time.monotonic()
-    with pytest.raises(ConfigError, match="run.ray_address = 'ray://127.0.0.1:9'"):
+    with pytest.raises(ConfigError, match="ray.address = 'ray://127.0.0.1:9'"):
         connect(None)
     assert time.monotonic() - start < 5
     monkeypatch.delenv("RAY_ADDRESS")

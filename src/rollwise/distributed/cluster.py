@@ -31,7 +31,7 @@ def split_address(address: str) -> tuple[str, int]:
     try:
         return host, int(port)
     except ValueError:
-        raise ConfigError(f"run.ray_address = '{address}': expected host:port, e.g. "
+        raise ConfigError(f"ray.address = '{address}': expected host:port, e.g. "
                           "'10.0.0.5:6379'") from None
 
 
@@ -44,9 +44,9 @@ def probe(address: str, timeout_s: float = 3.0) -> None:
             pass
     except OSError as e:
         raise ConfigError(
-            f"run.ray_address = '{address}': no Ray cluster answers at {host}:{port} ({e}); "
+            f"ray.address = '{address}': no Ray cluster answers at {host}:{port} ({e}); "
             "start one with `ray start --head` on that machine, fix the address, or leave "
-            "run.ray_address (and RAY_ADDRESS) unset to start a local cluster") from None
+            "ray.address (and RAY_ADDRESS) unset to start a local cluster") from None
 
 
 def worker_env() -> dict:

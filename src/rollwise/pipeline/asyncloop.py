@@ -9,7 +9,7 @@ Built from the synchronous driver's two halves (`loop.collect`, `loop.learn`), n
                     score, allocate)           token is more than S versions behind
       queue it                               learn(k)   (advantages, update, publish k+1)
 
-`S = run.max_staleness` is AReaL's bound on off-policyness: the rollouts of step k start
+`S = schedule.max_staleness` is AReaL's bound on off-policyness: the rollouts of step k start
 once the learner has published version k - S, so at most S updates happen between a
 token's sampling and its training. `S = 0` is synchronous training exactly: the rollouts
 of step k start after the update of step k-1, with the same prompts, seeds and weights.
