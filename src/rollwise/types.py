@@ -97,6 +97,16 @@ class Completion:
     versions: list[int] = field(default_factory=list)  # [T] policy version that sampled each
     request_id: int = -1  # the engine's id for the request (native engine)
 
+    def age(self, version: int) -> int:
+        """Policy versions between the oldest token and `version` (0 without tokens)."""
+        return age(self.versions, version)
+
+
+def age(versions: list[int], version: int) -> int:
+    """How many versions the oldest of `versions` lags `version`: the one definition of a
+    response's staleness (0 for a response without tokens)."""
+    return version - min(versions) if versions else 0
+
 
 @dataclass
 class Trajectory:
@@ -144,7 +154,7 @@ class Trajectory:
     def age(self, version: int) -> int:
         """Policy versions between this trajectory's oldest token and `version` (its
         staleness when trained at `version`; 0 without tokens)."""
-        return version - min(self.versions) if self.versions else 0
+        return age(self.versions, version)
 
     @property
     def correct(self) -> bool:

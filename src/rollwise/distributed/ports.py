@@ -109,12 +109,12 @@ class RayRollout:
             self._weights = weights
 
     def state_dict(self) -> dict[str, Any] | None:
-        """The workers keep no pool when the driver numbers groups: the numbering is the
-        state. Partial rollouts' pools live in the workers and are not checkpointed."""
+        """The workers keep no pool when the driver numbers groups: the next group number
+        is the state. Partial rollouts' pools live in the workers and are not checkpointed."""
         if not self.numbered:
             return None
         with self._lock:
-            return {"uid": self._uid, "pool": [], "previous": []}
+            return {"uid": self._uid}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if self.numbered and state:

@@ -57,7 +57,7 @@ class Opened:
 
     cfg: Config
     root: Path
-    stages: Stages  # or the Ray backend's RayStages
+    stages: Stages  # its ports in this process or on Ray actors
     run: Run
 
 

@@ -34,13 +34,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from rollwise.engine.base import Completion, RequestEngine, SamplingParams
+from rollwise.engine.base import RequestEngine, SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.rollout.drafts import GroupNgramIndex
 from rollwise.rollout.figures import RolloutFigures
-from rollwise.types import EncodedPrompt, Group, Sample, Trajectory
+from rollwise.rollout.strategy import strategy as strategy_named
+from rollwise.types import Completion, EncodedPrompt, Group, Sample, Trajectory
 
-STRATEGIES = ("sync", "continuous", "partial", "context", "partial+context")
 REUSE_RULES = ("exact", "coupled", "spec-rl")
 
 
@@ -85,9 +85,7 @@ class RolloutScheduler:
                  max_staleness: int = 4, chunk_tokens: int = 16, spec_group: bool = False,
                  spec_reuse: bool = False, reuse_rule: str = "exact", lenience: float = 1.0,
                  seed: int = 0):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown rollout strategy '{strategy}'; "
-                             f"available: {', '.join(STRATEGIES)}")
+        kind = strategy_named(strategy)
         if reuse_rule not in REUSE_RULES:
             raise ValueError(f"reuse_rule must be one of {', '.join(REUSE_RULES)}, "
                              f"got '{reuse_rule}'")
@@ -97,15 +95,14 @@ class RolloutScheduler:
         self.max_staleness, self.chunk_tokens = max_staleness, chunk_tokens
         self.spec_group, self.spec_reuse = spec_group, spec_reuse
         self.reuse_rule, self.lenience, self.seed = reuse_rule, lenience, seed
-        self.partial = "partial" in strategy
-        self.context = "context" in strategy
+        self.partial, self.context = kind.pools_partials, kind.orders_by_context
         self.pool: list[_PendingGroup] = []  # unfinished (or finished, undelivered) groups
         self.previous: dict[tuple, list[Completion]] = {}  # spec_reuse: last responses
         self.previous_seeds: dict[tuple, list[int]] = {}  # and their seeds (rule 'coupled')
         self._uid = 0
         self._by_rid: dict[int, tuple[_PendingGroup, _Slot]] = {}
         # the engine's admission mode and draft source, passed with every step
-        self._step_options = {"static_batch": strategy == "sync",
+        self._step_options = {"static_batch": kind.static_batch,
                               "drafter": self._draft if spec_group else None}
 
     @property
@@ -196,7 +193,7 @@ class RolloutScheduler:
         for g in groups:
             for s in g.slots:
                 p = s.partial or s.done
-                if p and p.versions and self.version - min(p.versions) > self.max_staleness:
+                if p and p.age(self.version) > self.max_staleness:
                     dropped += 1
                     tokens += len(p.token_ids)
                     s.partial = s.done = None
@@ -282,7 +279,7 @@ class RolloutScheduler:
         trajs = [t for g in groups for t in g.trajectories]
         tokens = sum(len(t.response_ids) for t in trajs)
         old = sum(v < self.version for t in trajs for v in t.versions)
-        ages = [self.version - min(t.versions) for t in trajs if t.versions]
+        ages = [t.age(self.version) for t in trajs if t.versions]
         times = sorted(done_times)
         p90 = times[min(len(times) - 1, int(0.9 * len(times)))] if times else makespan
         return RolloutFigures(
