@@ -126,9 +126,9 @@ def test_env_that_raises_or_overruns_ends_its_episode_with_reward_zero(model):
     assert time.perf_counter() - start < 1.5  # the overrunning step was not waited for
     trajs = [t for g in groups for t in g.trajectories]
     raised, slow = trajs[0], trajs[1]
-    assert raised.reward == 0.0 and "RuntimeError: boom" in raised.reward_errors[0]
+    assert raised.reward == 0.0 and "RuntimeError: boom" in raised.reward_errors[0].message
     assert len(raised.turns) == 2 and raised.scores["correct"] == 0.0
-    assert slow.reward == 0.0 and "time limit" in slow.reward_errors[0]
+    assert slow.reward == 0.0 and "time limit" in slow.reward_errors[0].message
     assert counts.env_errors == 2
     assert all(t.reward == pytest.approx(0.75) and not t.reward_errors for t in trajs[2:])
 

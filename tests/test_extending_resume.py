@@ -120,8 +120,9 @@ PLUGINS = {  # one way of plugging in code each, all by import path in the confi
                    f"task.reward_options={{'{HERE}:token_penalty' = {{ limit = 6 }} }}"],
     "estimator": [f"algorithm.advantage='{HERE}:centered'",
                   "algorithm.advantage_options={ scale = 2.0 }"],
-    "allocator": [f"control.allocator='{HERE}:HalfEveryOtherStep'", "control.max_rounds=2"],
-    "engine": [f"rollout.engine='{HERE}:hf_engine_factory'"],
+    "allocator": [f"control.allocator='{HERE}:HalfEveryOtherStep'",
+                  "control.allocator_options={max_rounds=2}"],
+    "engine": [f"engine.name='{HERE}:hf_engine_factory'"],
 }
 
 
@@ -175,12 +176,12 @@ def test_per_term_metrics_and_stored_advantages(tmp_path):
 
 
 def test_per_term_error_counts_and_accuracy_with_a_correct_term():
-    from rollwise.run.rundir import reward_terms
-    from rollwise.types import Trajectory
+    from rollwise.run.records import reward_terms
+    from rollwise.types import RewardIssue, Trajectory
 
     def traj(scores, errors=()):
         return Trajectory(Sample("a/0", "1+1=", "2"), [], [], [], [], "stop", scores=scores,
-                          reward_errors=list(errors))
+                          reward_errors=[RewardIssue.from_text(e) for e in errors])
 
     got = reward_terms([
         traj({"correct": 1.0, "m:f": 0.0}, ["m:f: ValueError: bad", "correct: note: slow"]),

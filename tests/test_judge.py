@@ -102,7 +102,8 @@ def test_judge_in_the_pool_and_infra_failures(judge_server) -> None:
         stats = pool.score(trajs)
     assert [t.scores["judge"] for t in trajs] == [1.0, pytest.approx(0.3), 0.0]
     assert stats.num_infra == 1 and stats.num_errors == 0
-    assert trajs[2].reward_errors[0].startswith(f"judge: infra: judge at {url} did not answer")
+    assert trajs[2].reward_errors[0].to_text().startswith(
+        f"judge: infra: judge at {url} did not answer")
     with pytest.raises(InfraError):
         judge("BROKEN again", SAMPLE)
 

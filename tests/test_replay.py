@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from rollwise.replay import TrajectoryStore
-from rollwise.types import Group, Sample, Trajectory
+from rollwise.types import Group, RewardIssue, Sample, Trajectory
 
 
 def _bits(xs: list[float]) -> bytes:
@@ -45,7 +45,7 @@ def make_groups(step: int, n_groups: int = 2, group_size: int = 3, seed: int = 0
                     text=f"answer {t}",
                     reward=rng.random(),
                     scores={"exact": float(t % 2)},
-                    reward_errors=[f"format: bad {t}"] if t % 3 == 0 else [],
+                    reward_errors=[RewardIssue("error", "format", f"bad {t}")] if t % 3 == 0 else [],
                     timings={"rollout": rng.random(), "reward": 0.001},
                 )
             )
@@ -142,7 +142,7 @@ def test_stored_reward_info_splits_into_scores_and_errors():
     """The store keeps one JSON object per row ({term: score, ..., "errors": [...]}); rows
     written before scores and errors were separate fields read back the same way."""
     scores, errors = Trajectory.split_reward_info({"correct": 1.0, "errors": ["x: boom"]})
-    assert scores == {"correct": 1.0} and errors == ["x: boom"]
+    assert scores == {"correct": 1.0} and errors == [RewardIssue("error", "x", "boom")]
     assert Trajectory.split_reward_info({"correct": 0.0}) == ({"correct": 0.0}, [])
     t = Trajectory(sample=Sample("a", "1+1=", "2"), prompt_ids=[1], response_ids=[2],
                    logprobs=[0.0], versions=[0], finish_reason="stop", scores=scores,

@@ -52,8 +52,8 @@ def test_raising_nan_and_hanging_rewards_score_zero_and_are_counted(tmp_path) ->
     store = TrajectoryStore(tmp_path / "tiny_arith" / "trajectories.sqlite")
     for t in store.load_step(1):
         assert t.scores["raises"] == 0.0 and t.scores["nan"] == 0.0
-        assert any("returned non-finite nan" in e for e in t.reward_errors)
-        assert any("RuntimeError: verifier bug" in e for e in t.reward_errors)
+        assert any("returned non-finite nan" in e.message for e in t.reward_errors)
+        assert any("RuntimeError: verifier bug" in e.message for e in t.reward_errors)
     report = (tmp_path / "tiny_arith" / "report.html").read_text()
     assert "reward calls failed" in report
 
@@ -70,5 +70,6 @@ def test_code_task_trains_through_the_sandbox(tmp_path) -> None:
     trajs = store.load_step(1)
     # the random (not warm-started) tiny model writes no function: each rollout scores 0 with the reason noted
     assert all(t.scores["correct"] == 0.0 for t in trajs)
-    assert all(any("sandbox load_error" in e for e in t.reward_errors) for t in trajs)
+    assert all(any(e.kind == "note" and "sandbox load_error" in e.message
+                   for e in t.reward_errors) for t in trajs)
     assert summary["reward_errors"] == 0 and summary["reward_infra"] == 0

@@ -18,7 +18,7 @@ from rollwise.rewards import (
     math_verify_match,
 )
 from rollwise.rewards.countdown import check_countdown, extract_expression
-from rollwise.types import Sample, Trajectory
+from rollwise.types import RewardIssue, Sample, Trajectory
 
 
 def _sample(answer: str = "68", **meta) -> Sample:
@@ -130,7 +130,8 @@ def test_pool_raising_and_bad_values_score_zero() -> None:
         stats = pool.score(trajs)
     assert [t.reward for t in trajs] == [1.0, 0.0]
     assert stats.num_errors == 6 and stats.num_timeouts == 0
-    errors = trajs[0].reward_errors
+    assert {e.kind for e in trajs[0].reward_errors} == {"error"}
+    errors = [e.to_text() for e in trajs[0].reward_errors]
     assert "boom: KeyError: 'numbers'" in errors
     assert "nan: returned non-finite nan" in errors
     assert any(e.startswith("str: returned str 'x'") for e in errors)
@@ -160,8 +161,8 @@ def test_pool_cuts_off_sleeping_and_spinning_verifiers() -> None:
     assert elapsed < 3.0  # 4 overruns on 2 workers: ~2 x 0.2 s, never the 30 s sleep
     assert (stats.num_timeouts, stats.num_errors) == (4, 0)
     assert [t.reward for t in trajs] == [1.0, 1.0]
-    assert set(trajs[0].reward_errors) == {
-        "sleepy: timeout after 0.2s", "spin: timeout after 0.2s"}
+    assert set(trajs[0].reward_errors) == {RewardIssue("timeout", "sleepy", "timeout after 0.2s"),
+                                           RewardIssue("timeout", "spin", "timeout after 0.2s")}
     assert trajs[0].timings["reward"] >= 0.4
     # The pool replaced its killed workers and still scores promptly.
     pool.specs = [RewardSpec("correct", final_number)]
@@ -205,7 +206,7 @@ def test_pool_survives_a_verifier_that_kills_its_process() -> None:
         trajs = [_traj("#### 68"), _traj("#### 67")]
         stats = pool.score(trajs)
     assert stats.num_errors == 2 and [t.reward for t in trajs] == [1.0, 0.0]
-    assert trajs[0].reward_errors == ["x: worker process died"]
+    assert trajs[0].reward_errors == [RewardIssue("error", "x", "worker process died")]
 
 
 def test_pool_validates_specs() -> None:

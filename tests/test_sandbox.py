@@ -285,10 +285,12 @@ def test_pool_records_reasons_counts_infra_and_survives() -> None:
         stats = pool.score(trajs)
         assert [t.scores["correct"] for t in trajs] == [1.0, 0.0, 0.0, 0.0, 0.0]
         assert (stats.num_errors, stats.num_timeouts, stats.num_infra) == (0, 0, 1)
-        assert any("sandbox cpu_limit" in e or "sandbox timeout" in e
+        assert any("sandbox cpu_limit" in e.message or "sandbox timeout" in e.message
                    for e in trajs[1].reward_errors)
-        assert any("MemoryError" in e for e in trajs[2].reward_errors)
-        assert trajs[3].reward_errors == ["correct: infra: sandbox: could not start"]
+        assert any("MemoryError" in e.message for e in trajs[2].reward_errors)
+        assert [e.to_text() for e in trajs[3].reward_errors] == [
+            "correct: infra: sandbox: could not start"]
+        assert trajs[3].reward_errors[0].kind == "infra"
         assert mask_infra_failures(trajs) == 1 and trajs[3].reward == pytest.approx(0.25)
         again = [Trajectory(sample, [], [], [], [], "stop", text=texts[0])]
         pool.score(again)

@@ -59,7 +59,8 @@ def test_taskset_becomes_a_task_with_its_own_rewards() -> None:
     with RewardPool([RewardSpec("correct", task.verifier)], timeout_s=30, num_workers=1) as pool:
         pool.score(trajs)  # in a forked worker: the tasks travel with the fork
     assert trajs[0].reward == task.verifier(s.answer, s) and trajs[1].reward == 0.0
-    assert any("verifiers rewards" in e for e in trajs[0].reward_errors)
+    assert any(e.kind == "note" and "verifiers rewards" in e.message
+               for e in trajs[0].reward_errors)
 
 
 def test_bad_env_is_clear() -> None:

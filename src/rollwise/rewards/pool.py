@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
-from rollwise.types import Sample, Trajectory
+from rollwise.types import IssueKind, RewardIssue, Sample, Trajectory
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -40,18 +40,14 @@ if TYPE_CHECKING:
 class InfraError(RuntimeError):
     """Raised by a verifier whose infrastructure failed (a sandbox that could not start, a
     judge that did not answer) after its own retries: not the completion's fault. The pool
-    records it as "name: infra: ...", counts it in `RewardStats.num_infra` (not in
+    records it as an "infra" `RewardIssue`, counts it in `RewardStats.num_infra` (not in
     num_errors), and the step masks the trajectory (`mask_infra_failures`)."""
-
-
-INFRA = "infra: "
-NOTE = "note: "
 
 
 class Scored(float):
     """A score with a note on how it came about (e.g. "sandbox timeout (2/5): wall time limit
     4s"): a verifier may return one; the pool keeps the score and records the note in
-    `Trajectory.reward_errors` as "name: note: ..." without counting it as an error.
+    `Trajectory.reward_errors` as a "note" `RewardIssue`, not counted as an error.
 
     >>> s = Scored(0.4, "2 of 5 tests passed"); s + 0.1, s.note
     (0.5, '2 of 5 tests passed')
@@ -92,8 +88,8 @@ class RewardStats:
 
 
 def _serve(conn, specs: list[RewardSpec]) -> None:
-    """A worker process: (job id, spec index, text, sample) in, (job id, score, error,
-    seconds) out, until the pipe closes or None arrives."""
+    """A worker process: (job id, spec index, text, sample) in, (job id, score, issue kind
+    or None, its message, seconds, note) out, until the pipe closes or None arrives."""
     from rollwise.system.runlock import close_inherited
 
     close_inherited()  # never keep the parent's run directory locked
@@ -114,16 +110,18 @@ def _serve(conn, specs: list[RewardSpec]) -> None:
             return
         job_id, index, text, sample = msg
         start = time.perf_counter()
+        kind: IssueKind | None = None
         try:
-            value, error = specs[index].fn(text, sample), None
+            value, message = specs[index].fn(text, sample), ""
         except InfraError as err:
-            value, error = 0.0, f"{INFRA}{err}"
+            value, kind, message = 0.0, "infra", str(err)
         except BaseException as err:  # noqa: BLE001 - any verifier failure scores 0
-            value, error = 0.0, f"{type(err).__name__}: {err}"
-        error = error or _check_value(value)
+            value, kind, message = 0.0, "error", f"{type(err).__name__}: {err}"
+        if kind is None and (problem := _check_value(value)):
+            kind, message = "error", problem
         note = str(getattr(value, "note", "") or "")[:500]
-        conn.send((job_id, 0.0 if error else float(value), error, time.perf_counter() - start,
-                   note))
+        conn.send((job_id, 0.0 if kind else float(value), kind, message,
+                   time.perf_counter() - start, note))
 
 
 def _context():
@@ -224,8 +222,8 @@ class RewardPool:
         """Score `trajectories` in place and return counts.
 
         Sets ``t.reward = sum(weight * score)``, ``t.scores = {name: score, ...}``,
-        ``t.reward_errors = [...]`` (each "name: what happened"; a timeout reads "name:
-        timeout after Xs") and ``t.timings["reward"]`` = seconds its verifiers ran (a timed-out call
+        ``t.reward_errors = [RewardIssue, ...]`` (a failure of a term, or its note; a timeout's
+        message reads "timeout after Xs") and ``t.timings["reward"]`` = seconds its verifiers ran (a timed-out call
         counts as timeout_s). A verifier that raises, times out, returns a non-finite value
         or kills its worker scores 0.
         """
@@ -266,25 +264,24 @@ class RewardPool:
                 row, i = jobs[w.job]
                 if w.conn in ready:
                     try:
-                        _, value, error, seconds, note = w.conn.recv()
+                        _, value, kind, message, seconds, note = w.conn.recv()
                     except (EOFError, OSError):  # the verifier took its process down
-                        value, error, seconds, note = 0.0, "worker process died", 0.0, ""
+                        value, kind, message, seconds, note = \
+                            0.0, "error", "worker process died", 0.0, ""
                         self._replace(workers, w)
                 elif time.perf_counter() - w.started >= self.timeout_s:
-                    value, error, seconds = 0.0, f"timeout after {self.timeout_s:g}s", \
-                        self.timeout_s
-                    note = ""
-                    timeouts += 1
+                    value, kind, seconds, note = 0.0, "timeout", self.timeout_s, ""
+                    message = f"timeout after {self.timeout_s:g}s"
                     self._replace(workers, w)
                 else:
                     continue
-                is_infra = error is not None and error.startswith(INFRA)
-                infra += is_infra
-                errors += error is not None and not error.startswith("timeout after") \
-                    and not is_infra
-                self._record(trajs[row], self.specs[i], value, error, seconds)
-                if note and not error:
-                    trajs[row].reward_errors.append(f"{self.specs[i].name}: {NOTE}{note}")
+                errors, timeouts = errors + (kind == "error"), timeouts + (kind == "timeout")
+                infra += kind == "infra"
+                name = self.specs[i].name
+                self._record(trajs[row], self.specs[i], value,
+                             RewardIssue(kind, name, message) if kind else None, seconds)
+                if note and not kind:
+                    trajs[row].reward_errors.append(RewardIssue("note", name, note))
                 w.job = None
                 done += 1
         return errors, timeouts, infra
@@ -295,12 +292,11 @@ class RewardPool:
         workers[workers.index(worker)] = self._spawn()
 
     @staticmethod
-    def _record(
-        traj: Trajectory, spec: RewardSpec, value: object, error: str | None, seconds: float
-    ) -> None:
-        traj.scores[spec.name] = 0.0 if error else float(value)  # type: ignore[arg-type]
-        if error:
-            traj.reward_errors.append(f"{spec.name}: {error}")
+    def _record(traj: Trajectory, spec: RewardSpec, value: object, issue: RewardIssue | None,
+                seconds: float) -> None:
+        traj.scores[spec.name] = 0.0 if issue else float(value)  # type: ignore[arg-type]
+        if issue:
+            traj.reward_errors.append(issue)
         traj.timings["reward"] += seconds
 
     def close(self) -> None:
@@ -335,7 +331,7 @@ def _check_value(value: object) -> str | None:
 
 def infra_failed(traj: Trajectory) -> bool:
     """Whether a verifier of `traj` failed for infrastructure reasons (see InfraError)."""
-    return any(e.partition(": ")[2].startswith(INFRA) for e in traj.reward_errors)
+    return any(e.kind == "infra" for e in traj.reward_errors)
 
 
 def mask_infra_failures(trajectories: list[Trajectory]) -> int:
@@ -344,10 +340,9 @@ def mask_infra_failures(trajectories: list[Trajectory]) -> int:
     neither rewards nor punishes the policy. Returns how many were masked (all of a group's
     failed: their rewards are left at 0 and every advantage of the group is zero anyway).
 
-    >>> from rollwise.types import Sample
     >>> ts = [Trajectory(Sample("a", "q", "1"), [], [], [], [], "stop") for _ in range(3)]
     >>> ts[0].reward, ts[1].reward = 1.0, 0.0
-    >>> ts[2].reward_errors = ["correct: infra: sandbox did not start"]
+    >>> ts[2].reward_errors = [RewardIssue("infra", "correct", "sandbox did not start")]
     >>> mask_infra_failures(ts), ts[2].reward
     (1, 0.5)
     """

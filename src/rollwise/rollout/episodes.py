@@ -41,7 +41,7 @@ from rollwise.engine.sampling import derive_seed
 from rollwise.envs.base import Env, StepResult
 from rollwise.envs.render import TurnRenderer
 from rollwise.rollout.figures import RolloutFigures
-from rollwise.types import CORRECT, EncodedPrompt, Group, Trajectory
+from rollwise.types import CORRECT, EncodedPrompt, Group, RewardIssue, Trajectory
 
 
 @dataclass
@@ -325,7 +325,8 @@ class EpisodeRunner:
                        turn_states=list(ep.turn_states), tree=ep.tree)
         t.reward = reward
         t.scores = {CORRECT: float(ep.success and not ep.error), "env": reward}
-        t.reward_errors = [ep.error] if ep.error else []
+        t.reward_errors = [RewardIssue("error", "env", ep.error.removeprefix("env: "))
+                           ] if ep.error else []
         return t
 
 

@@ -39,61 +39,14 @@ from rollwise.learner.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from rollwise.observe import (
-    MetricsWriter,
-    format_step_line,
-    progress_bar,
-    summarize_lengths,
-    write_report,
-)
+from rollwise.observe import MetricsWriter, format_step_line, progress_bar, write_report
 from rollwise.observe.progress import ProgressHandle
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
-from rollwise.rewards.pool import NOTE
+from rollwise.run.records import COUNTERS, Snapshot, StepTimes, counted, step_record
 from rollwise.system.runlock import RunLock
 from rollwise.system.runtime import device_memory, rss_peak, run_peak_rss_mb
-from rollwise.types import CORRECT, Group, Trajectory
-
-
-def capacity(record: dict, phases: dict[str, float], seconds: float,
-             trained: int) -> dict[str, float]:
-    """ECHO-2's capacity view of one step (docs/metrics.md): how busy the learner and the
-    rollout were, trajectories supplied per second of rollout against those the learner
-    consumes per second of training, how long new weights took to reach the engines, the
-    batches waiting (asynchronous driver) and the staleness histogram (0 when absent)."""
-    wall = max(seconds, 1e-9)
-    rollout, train = phases.get("rollout", 0.0), phases.get("train", 0.0)
-    return {
-        "learner_busy_time_frac": train / wall, "rollout_busy_time_frac": rollout / wall,
-        "rollout_supply_per_s": record["step_rollouts"] / max(rollout, 1e-9) if rollout else 0.0,
-        "rollout_demand_per_s": trained / max(train, 1e-9) if train else 0.0,
-        "weights_dissemination_seconds": record.get("publish_seconds", 0.0)
-        + record.get("weights_load_seconds", 0.0),
-        "queue_depth": record.get("queue_depth", 0),
-    }
-
-
-def reward_terms(trajs: list[Trajectory]) -> dict[str, Any]:
-    """Each reward term apart (docs/metrics.md): `reward_terms` {term: mean score over the
-    trajectories it scored, before its weight}, `reward_term_errors` {term: calls that
-    failed: raised, returned a non-number, timed out, or whose infrastructure failed; a
-    verifier's notes are not failures}, and `accuracy`, the share whose `correct` term
-    scored 1, only when the rewards have that term (else no accuracy is recorded)."""
-    scores: dict[str, list[float]] = {}
-    for t in trajs:
-        for name, value in t.scores.items():
-            scores.setdefault(name, []).append(value)
-    errors = dict.fromkeys(scores, 0)
-    for t in trajs:
-        for error in t.reward_errors:
-            name = next((n for n in t.scores if error.startswith(f"{n}: ")), None)
-            if name is not None and not error.startswith(f"{name}: {NOTE}"):
-                errors[name] += 1
-    out: dict[str, Any] = {}
-    if CORRECT in scores:
-        out["accuracy"] = statistics.fmean(t.correct for t in trajs if CORRECT in t.scores)
-    return out | {"reward_terms": {n: statistics.fmean(v) for n, v in scores.items()},
-                  "reward_term_errors": errors}
+from rollwise.types import Group
 
 
 RUN_FILE = "run.json"
@@ -172,6 +125,10 @@ class StepTimer:
     def total(self) -> float:
         return time.perf_counter() - self.start
 
+    def times(self) -> StepTimes:
+        """The step's times so far, as `records.step_record` takes them."""
+        return StepTimes(dict(self.phases), self.total(), dict(self.peaks))
+
 
 @contextlib.contextmanager
 def defer_interrupt():
@@ -216,9 +173,8 @@ class Run:
         self.summary: dict[str, Any] = {}
         self.bar: ProgressHandle | None = None
         self.step = 0  # last completed step
-        self.counters = {"train_seconds": 0.0, "rollouts": 0, "tokens": 0, "reward_errors": 0,
-                         "reward_timeouts": 0, "reward_infra": 0}
-        self._snap: dict[str, Any] | None = None
+        self.counters = dict(COUNTERS)
+        self._snap: Snapshot | None = None
         self._saved: tuple[int, int] | None = None  # (step, snapshot id) last checkpointed
         self._snap_id = 0
         self._last_save = time.monotonic()
@@ -232,10 +188,10 @@ class Run:
         if stage_state is None:
             stage_state = stages.stage_state()
         self._snap_id += 1
-        self._snap = {"step": self.step, "rng": rng_state(), "id": self._snap_id,
-                      "stages": json.loads(json.dumps(stage_state)),
-                      "counters": dict(self.counters), "summary": copy.deepcopy(self.summary),
-                      "health": self.health.state_dict()}
+        self._snap = Snapshot(step=self.step, counters=dict(self.counters),
+                              summary=copy.deepcopy(self.summary),
+                              stages=json.loads(json.dumps(stage_state)),
+                              health=self.health.state_dict(), rng=rng_state(), id=self._snap_id)
 
     def resume(self, stages) -> int:
         """Restore the latest readable checkpoint (when resuming); the step to continue from."""
@@ -251,14 +207,14 @@ class Run:
         for path in reversed(list_checkpoints(self.root / "checkpoints")):
             try:
                 learner_state, state = load_checkpoint(path, stages.model)
-                stages.load_state_dict(learner_state, state["stages"])
+                snap = Snapshot.from_json(state)
+                stages.load_state_dict(learner_state, snap.stages)
             except (OSError, ValueError, KeyError) as e:  # a damaged copy: try the one before
                 self.echo(f"checkpoint {path} unreadable ({type(e).__name__}: {e}); "
                           "trying the one before")
                 continue
-            self.step, self.counters = state["step"], state["counters"]
-            self.summary = state["summary"]
-            self.health.load_state_dict(state.get("health", {}))
+            self.step, self.counters, self.summary = snap.step, snap.counters, snap.summary
+            self.health.load_state_dict(snap.health)
             dropped = self.store.delete_after(self.step)
             self.metrics.drop_after(self.step)
             self.echo(f"resumed from {path} (step {self.step}; {dropped} trajectories of "
@@ -272,19 +228,17 @@ class Run:
     def checkpoint(self, step: int, stages) -> Path:
         """Write the checkpoint of the last completed step (`step`) from the latest snapshot."""
         snap = self._snap
-        if snap is None or snap["step"] != step:
+        if snap is None or snap.step != step:
             self.step = step
             self.snapshot(stages)
             snap = self._snap
         folder = self.root / "checkpoints"
-        if self._saved == (step, snap["id"]):  # nothing happened since it was written
+        if self._saved == (step, snap.id):  # nothing happened since it was written
             return folder / f"step_{step}"
         learner_state, _ = stages.state_dict()
-        state = {"step": step, "counters": snap["counters"], "summary": snap["summary"],
-                 "stages": snap["stages"], "health": snap["health"]}
-        path = save_checkpoint(folder, stages.model, learner_state, state, keep=self.keep,
-                               rng=snap["rng"])
-        self._saved, self._last_save = (step, snap["id"]), time.monotonic()
+        path = save_checkpoint(folder, stages.model, learner_state, snap.to_json(),
+                               keep=self.keep, rng=snap.rng)
+        self._saved, self._last_save = (step, snap.id), time.monotonic()
         return path
 
     def maybe_checkpoint(self, step: int, stages, every: int = 0, seconds: float = 0.0) -> None:
@@ -332,47 +286,20 @@ class Run:
     def record_step(self, step: int, num_steps: int, groups: list[Group], kept: list[Group],
                     rewards: RewardStats, update: dict, timer: StepTimer,
                     control: dict | None = None) -> dict:
-        """One metrics line: `groups` are all groups rolled out this step, `kept` those trained
-        on, `control` the allocator's figures (zero_adv_frac, effective_samples, calib_brier..)."""
-        trajs = [t for g in groups for t in g.trajectories]
-        lengths = [t.num_tokens for t in trajs]
-        phases = timer.phases
-        seconds = timer.total()
-        c = self.counters
-        c["train_seconds"] += seconds
-        c["rollouts"] += len(trajs)
-        c["tokens"] += sum(lengths)
-        c["reward_errors"] += rewards.num_errors
-        c["reward_timeouts"] += rewards.num_timeouts
-        c["reward_infra"] = c.get("reward_infra", 0) + rewards.num_infra  # older checkpoints
-        lens = summarize_lengths(lengths)
-        record = {
-            "kind": "train", "step": step, "num_steps": num_steps, "wall_time": c["train_seconds"],
-            "reward_mean": statistics.fmean(t.reward for t in trajs),
-            **reward_terms(trajs),
-            **{f"response_len_{k}": v for k, v in lens.items()},
-            "truncated_frac": statistics.fmean(t.finish_reason == "length" for t in trajs),
-            "zero_var_frac": statistics.fmean(g.zero_variance for g in groups),
-            "groups": len(groups), "groups_kept": len(kept),
-            "rollouts": c["rollouts"], "tokens": c["tokens"],
-            "step_rollouts": len(trajs), "step_tokens": sum(lengths),
-            "rollout_tokens_per_s": sum(lengths) / max(phases.get("rollout", 0.0), 1e-9),
-            "train_tokens_per_s": sum(len(t.prompt_ids) + t.num_tokens for g in kept
-                                      for t in g.trajectories) / max(phases.get("train", 1e-9), 1e-9),
-            **{f"time_{k}": v for k, v in phases.items()},
-            "time_other": max(seconds - sum(phases.values()), 0.0),
-            "reward_errors": rewards.num_errors, "reward_timeouts": rewards.num_timeouts,
-            "reward_infra": rewards.num_infra,
-            **update, **(control or {}), **device_memory(),
-            **{f"peak_rss_{k}_mb": v for k, v in timer.peaks.items()},
-        }
-        record |= capacity(record, phases, seconds, sum(len(g.trajectories) for g in kept))
+        """One metrics line (`records.step_record`): `groups` are all groups rolled out this
+        step, `kept` those trained on, `control` the allocator's figures (zero_adv_frac,
+        effective_samples, calib_brier..); the run's counters advance, the health check
+        judges the record, and the step's trajectories are stored."""
+        times = timer.times()
+        self.counters = counted(self.counters, groups, rewards, times.seconds)
+        record = step_record(step, num_steps, groups, kept, rewards, update, times,
+                             self.counters, (control or {}) | device_memory())
         problems = self.health.observe(record)
         record["health_problems"] = len(problems)
         self.store.add_groups(step, groups)  # one transaction: the step's rows or none
         self._log(record)
         self.step = step
-        line = format_step_line(record) + self._eta(seconds, step, num_steps)
+        line = format_step_line(record) + self._eta(times.seconds, step, num_steps)
         self.echo(line + (f" | WARNING: {'; '.join(problems)}" if problems else ""))
         if self.bar is not None:
             self.bar.advance(1)
