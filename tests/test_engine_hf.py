@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from rollwise.engine.base import Completion, Engine, SamplingParams
+from rollwise.engine.base import Engine, SamplingParams
 from rollwise.engine.hf import HFEngine, warp_logits
+from rollwise.types import Completion
 
 PAD, EOS = 0, 2
 PROMPTS = [[1, 20, 30, 40, 12, 7, 9, 33], [1, 5], [1, 44, 45, 46, 47]]  # lengths 8, 2, 5

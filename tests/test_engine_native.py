@@ -10,16 +10,10 @@ import warnings
 import pytest
 import torch
 
-from rollwise.engine import (
-    Completion,
-    Engine,
-    NativeEngine,
-    SamplingParams,
-    UnsupportedModel,
-    make_engine,
-)
+from rollwise.engine import Engine, NativeEngine, SamplingParams, UnsupportedModel, make_engine
 from rollwise.engine.hf import HFEngine, warp_logits
 from rollwise.engine.sampling import derive_seed
+from rollwise.types import Completion
 
 EOS = 2
 PROMPTS = [[1, 20, 30, 40, 12, 7, 9, 33], [1, 5], [1, 44, 45, 46, 47]]  # lengths 8, 2, 5

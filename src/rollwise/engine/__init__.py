@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import warnings
 
-from rollwise.engine.base import Completion, Engine, RequestEngine, SamplingParams
+from rollwise.engine.base import Engine, EngineStats, RequestEngine, SamplingParams
 from rollwise.engine.decoder import SUPPORTED_MODEL_TYPES, UnsupportedModel
 from rollwise.engine.native import NativeEngine
-from rollwise.engine.requests import EngineStats
 from rollwise.registry import Registry
 
 ENGINES: Registry = Registry("engine", takes=("model",),
@@ -59,5 +58,5 @@ def make_engine(name: str, model, *, eos_token_ids: list[int], pad_token_id: int
                              batch_size=batch_size, **options)
 
 
-__all__ = ["ENGINES", "SUPPORTED_MODEL_TYPES", "Completion", "Engine", "EngineStats",
-           "NativeEngine", "RequestEngine", "SamplingParams", "UnsupportedModel", "make_engine"]
+__all__ = ["ENGINES", "SUPPORTED_MODEL_TYPES", "Engine", "EngineStats", "NativeEngine",
+           "RequestEngine", "SamplingParams", "UnsupportedModel", "make_engine"]

@@ -29,8 +29,9 @@ from collections import OrderedDict, deque
 
 import torch
 
+from rollwise.engine.base import EngineStats
 from rollwise.engine.kvcache import KVCache
-from rollwise.engine.requests import EngineStats, Group, Request
+from rollwise.engine.requests import Group, Request
 
 
 class Admission:

@@ -1,4 +1,5 @@
-"""The engine contract: token ids in, completions (ids, behaviour log-probs, finish reason) out.
+"""The engine contract: token ids in, completions (ids, behaviour log-probs, finish reason) out
+as `rollwise.types.Completion` records, with running counters in `EngineStats`.
 
 An engine knows nothing of chat templates, rewards or advantages. Sampling follows the usual
 conventions: temperature 0 means greedy, `top_k` 0 and `top_p` 1 mean no truncation.
@@ -7,13 +8,10 @@ conventions: temperature 0 means greedy, `top_k` 0 and `top_p` 1 mean no truncat
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-from rollwise.types import FinishReason
-
-if TYPE_CHECKING:
-    from rollwise.engine.requests import EngineStats
+from rollwise.types import Completion
 
 # Given [(request id, tokens so far)] and the most draft tokens one pass verifies, a draft
 # continuation per request (empty: none). The rollout scheduler's grouped drafts are one.
@@ -33,13 +31,34 @@ class SamplingParams:
 
 
 @dataclass
-class Completion:
-    prompt_index: int  # which prompt of the call this answers
-    token_ids: list[int]  # [T] sampled tokens, the stop token included when one was sampled
-    logprobs: list[float]  # [T] log-prob of each token under the distribution it was sampled from
-    finish_reason: FinishReason  # "stop" | "length" | "abort"
-    versions: list[int] = field(default_factory=list)  # [T] policy version that sampled each
-    request_id: int = -1  # the engine's id for the request (native engine)
+class EngineStats:
+    """Deterministic counters (and timers) since the engine was made."""
+
+    forward_passes: int = 0  # model forward calls: prompt prefills, chunk passes, decodes
+    prefill_tokens: int = 0  # prompt tokens computed (a shared prompt counts once)
+    recompute_tokens: int = 0  # own tokens recomputed after preemption or resume
+    generated_tokens: int = 0  # tokens emitted
+    decode_tokens: int = 0  # row-tokens run through single-token decode forwards
+    row_forwards: int = 0  # rows taking part in forwards (one per row per pass)
+    decode_passes: int = 0  # single-token decode forwards (every row one token)
+    steps: int = 0
+    preemptions: int = 0
+    parks: int = 0  # divided rollout: requests set aside with their cache after a chunk
+    peak_kv_tokens: int = 0  # most tokens held in the cache at once
+    reused_tokens: int = 0  # prompt tokens whose keys/values came from a retained conversation
+    retained: int = 0  # finished keep_kv requests whose keys/values were kept
+    retained_evictions: int = 0  # retained conversations dropped for room (not publication)
+    spec_verifies: int = 0  # rows verified with a draft
+    spec_drafted: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens accepted
+    decode_seconds: float = 0.0  # single-token decode forwards + sampling
+    prefill_seconds: float = 0.0  # prompt prefills and multi-token chunk passes
+    publish_seconds: float = 0.0  # weight conversion at publication (0 when shared)
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per verification (accepted draft tokens + the one sampled)."""
+        return 1.0 + self.spec_accepted / self.spec_verifies if self.spec_verifies else 0.0
 
 
 @runtime_checkable

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from rollwise.engine.base import Completion, SamplingParams
+from rollwise.engine.base import SamplingParams
 from rollwise.engine.sampling import warp_logits
+from rollwise.types import Completion
 
 
 class _BehaviourLogprobs(LogitsProcessor):

@@ -26,13 +26,14 @@ from dataclasses import replace
 import torch
 
 from rollwise.engine.admission import Admission
-from rollwise.engine.base import Completion, Drafter, SamplingParams
+from rollwise.engine.base import Drafter, EngineStats, SamplingParams
 from rollwise.engine.decoder import Decoder
 from rollwise.engine.kvcache import KVCache
-from rollwise.engine.requests import EngineStats, Group, Request
+from rollwise.engine.requests import Group, Request
 from rollwise.engine.sampling import derive_seed, draw
 from rollwise.engine.step import DecodeStep
 from rollwise.engine.verifier import DraftVerifier
+from rollwise.types import Completion
 
 
 class NativeEngine:

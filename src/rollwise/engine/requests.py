@@ -1,5 +1,5 @@
-"""The native engine's bookkeeping records: counters, groups (shared prompts), requests, and
-the acceptance walk of speculative verification."""
+"""The native engine's bookkeeping records: groups (shared prompts), requests, and the
+acceptance walk of speculative verification."""
 
 from __future__ import annotations
 
@@ -8,38 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollwise.engine.base import Completion, SamplingParams
-
-
-@dataclass
-class EngineStats:
-    """Deterministic counters (and timers) since the engine was made."""
-
-    forward_passes: int = 0  # model forward calls: prompt prefills, chunk passes, decodes
-    prefill_tokens: int = 0  # prompt tokens computed (a shared prompt counts once)
-    recompute_tokens: int = 0  # own tokens recomputed after preemption or resume
-    generated_tokens: int = 0  # tokens emitted
-    decode_tokens: int = 0  # row-tokens run through single-token decode forwards
-    row_forwards: int = 0  # rows taking part in forwards (one per row per pass)
-    decode_passes: int = 0  # single-token decode forwards (every row one token)
-    steps: int = 0
-    preemptions: int = 0
-    parks: int = 0  # divided rollout: requests set aside with their cache after a chunk
-    peak_kv_tokens: int = 0  # most tokens held in the cache at once
-    reused_tokens: int = 0  # prompt tokens whose keys/values came from a retained conversation
-    retained: int = 0  # finished keep_kv requests whose keys/values were kept
-    retained_evictions: int = 0  # retained conversations dropped for room (not publication)
-    spec_verifies: int = 0  # rows verified with a draft
-    spec_drafted: int = 0  # draft tokens proposed
-    spec_accepted: int = 0  # draft tokens accepted
-    decode_seconds: float = 0.0  # single-token decode forwards + sampling
-    prefill_seconds: float = 0.0  # prompt prefills and multi-token chunk passes
-    publish_seconds: float = 0.0  # weight conversion at publication (0 when shared)
-
-    @property
-    def mean_accepted_len(self) -> float:
-        """Tokens emitted per verification (accepted draft tokens + the one sampled)."""
-        return 1.0 + self.spec_accepted / self.spec_verifies if self.spec_verifies else 0.0
+from rollwise.engine.base import SamplingParams
+from rollwise.types import Completion
 
 
 @dataclass

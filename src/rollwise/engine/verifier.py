@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from rollwise.engine.base import Drafter
+from rollwise.engine.base import Drafter, EngineStats
 from rollwise.engine.decoder import Decoder
 from rollwise.engine.kvcache import KVCache
-from rollwise.engine.requests import EngineStats, Request, walk_draft
+from rollwise.engine.requests import Request, walk_draft
 from rollwise.engine.sampling import sample_and_score, uniforms
 
 _ACCEPT_STREAM = 0x5DEECE66D  # second uniform stream (lenient acceptance tests)

@@ -22,7 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollwise.engine.base import Completion, RequestEngine, SamplingParams
+from rollwise.engine.base import RequestEngine, SamplingParams
+from rollwise.types import Completion
 
 log = logging.getLogger("rollwise.serve")
 
