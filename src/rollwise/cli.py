@@ -164,7 +164,7 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
     result = stages.evaluate()
     from rich.table import Table
 
-    from rollwise.pipeline.evaluate import task_table
+    from rollwise.observe.metrics import task_table
 
     rows = task_table(result)
     table = Table(title="held-out evaluation by task")

@@ -15,9 +15,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from rollwise.system.atomic import atomic_write_text
 from rollwise.observe import html, plots
 from rollwise.observe.metrics import number, read_metrics
+from rollwise.system.atomic import atomic_write_text
 
 
 def chosen_steps(steps: list[int], count: int = 3) -> list[int]:

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollwise.observe.metrics import flatten
+
 # logger name -> (module that must be importable, extra that installs it)
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
           "mlflow": ("mlflow", "mlflow"), "trackio": ("trackio", "trackio")}
@@ -152,10 +154,8 @@ class MlflowSink:
         from mlflow.entities import Param, RunTag
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-        from rollwise.compose.config import flatten
-
         values = {_mlflow_name(k): str(v)[:MAX_PARAM_VAL_LENGTH]
-                  for k, v in flatten(config).items() if not isinstance(v, dict)}
+                  for k, v in flatten(config).items()}
         params = [Param(k, v) for k, v in values.items() if k not in logged]
         tags = [RunTag(f"config_change.{k}", f"{logged[k]} -> {v}")
                 for k, v in values.items() if k in logged and logged[k] != v]

@@ -2,7 +2,8 @@
 
 Each line is flushed as it is written, so a crash loses at most the line being written;
 `read_metrics` skips such a truncated final line, and a `MetricsWriter` reopening the file
-(a resumed run) cuts it off before appending.
+(a resumed run) cuts it off before appending. `flatten` and `task_table` read the nested
+values a record or a summary holds.
 """
 
 from __future__ import annotations
@@ -144,6 +145,42 @@ def number(record: dict[str, Any], key: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     return v
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict to dotted keys over its non-dict leaves.
+
+    >>> flatten({"eval_after": {"accuracy": 0.5}, "steps": 3})
+    {'eval_after.accuracy': 0.5, 'steps': 3}
+    """
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def task_table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows {task, n, pass@1, mean@1, ...} from an evaluation result's ``task/...`` keys
+    (one row, "all", when there is a single task).
+
+    >>> task_table({"task/a/n": 2.0, "task/a/pass@1": 0.5, "accuracy": 0.5})
+    [{'task': 'a', 'n': 2.0, 'pass@1': 0.5}]
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    for key, value in result.items():
+        if key.startswith("task/"):
+            label, _, metric = key[5:].rpartition("/")
+            rows.setdefault(label, {"task": label})[metric] = value
+    if not rows:
+        row = {"task": "all", "n": result.get("num_prompts"), "pass@1": result.get("accuracy"),
+               "mean@1": result.get("mean_score")}
+        row |= {k: v for k, v in result.items() if k.startswith(("pass@", "mean@"))}
+        return [row]
+    return list(rows.values())
 
 
 def _percentile(sorted_values: list[int], q: float) -> float:

@@ -18,11 +18,11 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from rollwise.system.atomic import atomic_write_text
 from rollwise.observe import html, plots
 from rollwise.observe.completions import completions_section
-from rollwise.observe.metrics import METRICS_FILE, number, read_metrics
+from rollwise.observe.metrics import METRICS_FILE, flatten, number, read_metrics, task_table
 from rollwise.replay import TrajectoryStore
+from rollwise.system.atomic import atomic_write_text
 
 TIME_KEYS = ("time_rollout", "time_reward", "time_train", "time_other")
 LENGTH_KEYS = ("response_len_p50", "response_len_p90", "response_len_max", "response_len_mean")
@@ -47,8 +47,6 @@ def write_report(run_dir: Path) -> Path:
     evaluated = [(k, summary[k]) for k in ("eval_before", "eval_after")
                  if isinstance(summary.get(k), dict)]
     if evaluated:
-        from rollwise.pipeline.evaluate import task_table
-
         rows = [{"when": k.removeprefix("eval_"), **row} for k, result in evaluated
                 for row in task_table(result)]
         body.append("<h2>Evaluation (pass@1 greedy, mean@k, unbiased pass@k, by task)</h2>"
@@ -82,22 +80,6 @@ def _run_name(run_dir: Path, summary: dict[str, Any]) -> str:
         if isinstance(summary.get(key), str):
             return summary[key]
     return run_dir.resolve().name
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dict to dotted keys over its non-dict leaves.
-
-    >>> flatten({"eval_after": {"accuracy": 0.5}, "steps": 3})
-    {'eval_after.accuracy': 0.5, 'steps': 3}
-    """
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, dotted + "."))
-        else:
-            out[dotted] = value
-    return out
 
 
 def _header(name: str, summary: dict[str, Any], train: list[dict[str, Any]]) -> str:

@@ -36,12 +36,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rollwise.engine.base import Completion, RequestEngine, SamplingParams
+from rollwise.engine.base import RequestEngine, SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.envs.base import Env, StepResult
 from rollwise.envs.render import TurnRenderer
 from rollwise.rollout.figures import RolloutFigures
-from rollwise.types import CORRECT, EncodedPrompt, Group, RewardIssue, Trajectory
+from rollwise.types import CORRECT, Completion, EncodedPrompt, Group, RewardIssue, Trajectory
 
 
 @dataclass
