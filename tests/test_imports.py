@@ -1,12 +1,58 @@
-"""The import graph runs one way: no module of rollwise imports a module that imports it
-back, at load time or lazily inside a function (type-checking-only imports left out)."""
+"""The import graph runs one way, and each part imports only the parts below it.
+
+Every import of a rollwise module counts: at module level, deferred inside a function, and
+under `if TYPE_CHECKING:` (a type-only import still ties the two modules together; the target
+is no circle counting them all). An import is an edge to the module it names and to each
+package above that module whose `__init__` runs on the way (the package face), except the
+importer's own packages, which Python has loaded before the importer. `from rollwise.pkg
+import name` is also an edge to the module that defines `name`, followed through the
+re-exports of `pkg/__init__.py`; a package's `__init__` importing its own modules is an edge
+like any other. The root `rollwise/__init__.py` names its lazy attributes as strings and
+imports nothing, so it is left out.
+
+`LAYERS` names, for each folder and top-level module of the package, the others it may
+import; docs/architecture.md ("Allowed imports") shows the same table.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1] / "src"
+DOC = Path(__file__).parents[1] / "docs" / "architecture.md"
+
+_COMPONENTS = ("types", "registry", "system", "algos", "models", "replay", "engine", "rewards",
+               "control", "envs", "tasks", "learner", "rollout")
+# part -> the parts it may import; each part after the parts it imports
+LAYERS: dict[str, tuple[str, ...]] = {
+    "types": (),
+    "registry": (),
+    "system": (),
+    "algos": ("registry",),
+    "models": ("types", "system"),
+    "replay": ("types",),
+    "observe": ("types", "system", "replay"),
+    "engine": ("types", "registry", "system"),
+    "rewards": ("types", "registry", "system"),
+    "control": ("types", "registry"),
+    "envs": ("types", "rewards"),
+    "tasks": ("types", "registry", "rewards", "envs"),
+    "learner": ("types", "system", "algos", "models"),
+    "rollout": ("types", "system", "replay", "engine", "rewards", "envs"),
+    "compose": _COMPONENTS,
+    "run": (*_COMPONENTS, "observe", "compose"),
+    "distributed": (*_COMPONENTS, "compose"),
+    "pipeline": (*_COMPONENTS, "observe", "compose", "run", "distributed"),
+    # front ends: nothing imports them but the front ends listed here
+    "serve": ("types", "system", "models", "engine", "envs", "run"),
+    "api": ("types", "rewards", "compose", "pipeline"),
+    "bench": (*_COMPONENTS, "observe", "compose", "run", "distributed", "pipeline", "serve"),
+    "cli": (*_COMPONENTS, "observe", "compose", "run", "pipeline", "serve", "bench"),
+    "__main__": ("cli",),
+}
 
 
 def _module(path: Path) -> str:
@@ -14,48 +60,153 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, known: set[str]) -> set[str]:
-    """rollwise modules `path` imports anywhere (TYPE_CHECKING blocks left out)."""
+@cache
+def _files() -> dict[str, Path]:
+    paths = ROOT.joinpath("rollwise").rglob("*.py")
+    return {m: p for m, p in ((_module(p), p) for p in paths) if m != "rollwise"}
+
+
+def _part(module: str) -> str:
+    """The folder or top-level module holding `module`: rollwise.engine.base -> engine."""
+    return module.split(".")[1]
+
+
+@cache
+def _tree(module: str) -> ast.Module:
+    return ast.parse(_files()[module].read_text())
+
+
+def _definer(module: str, name: str) -> str:
+    """The module that defines `name` as read from `module`: re-exports of a package's
+    `__init__` are followed to the module they come from."""
+    if _files()[module].name != "__init__.py":
+        return module
+    for node in _tree(module).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in _files():
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    return _definer(node.module, alias.name)
+    return module
+
+
+def _named(tree: ast.Module) -> set[str]:
+    """The rollwise modules an import anywhere in `tree` names or resolves to."""
+    files = _files()
     out: set[str] = set()
-    todo = list(ast.parse(path.read_text()).body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            todo.extend(node.orelse)
-            continue
-        todo.extend(ast.iter_child_nodes(node))
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for alias in node.names:  # `from pkg import module` names a module too
-                sub = f"{node.module}.{alias.name}"
-                out.add(sub if sub in known else node.module)
-        elif isinstance(node, ast.Import):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
-    return {m for m in out if m in known}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in files:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in files:  # `from pkg import module`: pkg runs as the module's package
+                    out.add(sub)
+                else:  # a name `module` (a package's `__init__` too) must have defined
+                    out.update({node.module, _definer(node.module, alias.name)})
+    return {m for m in out if m in files}
+
+
+def _edges(module: str) -> set[str]:
+    """`module`'s edges: what it names, and the packages above those, not above itself."""
+    named = _named(_tree(module))
+    faces = {face for target in named for face in _packages(target)}
+    return (named | faces - _packages(module)) - {module}
+
+
+def _packages(module: str) -> set[str]:
+    """The packages above `module`, the root left out: rollwise.engine.base -> rollwise.engine."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(2, len(parts))}
+
+
+@cache
+def _graph() -> dict[str, frozenset[str]]:
+    return {m: frozenset(_edges(m)) for m in _files()}
+
+
+def _cycles(graph: dict[str, frozenset[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected set of modules (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            members = set(stack[stack.index(m):])
+            del stack[stack.index(m):]
+            if len(members) > 1:
+                found.append(_cycle_through(m, members, graph))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def _cycle_through(start: str, members: set[str], graph: dict[str, frozenset[str]]) -> list[str]:
+    """The shortest path from `start` back to itself inside `members`."""
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        m = todo.pop(0)
+        for n in sorted(graph[m] & members):
+            if n == start:
+                return paths[m] + [start]
+            if n not in paths:
+                paths[n] = paths[m] + [n]
+                todo.append(n)
+    raise AssertionError(f"{start} is in no cycle")
 
 
 def test_no_import_cycles():
-    files = {_module(p): p for p in ROOT.joinpath("rollwise").rglob("*.py")}
-    # a package's __init__ re-exporting its own modules is not a cycle
-    graph = {m: {n for n in _imports(p, set(files)) if n != m and not n.startswith(m + ".")}
-             for m, p in files.items()}
-    state: dict[str, int] = {}
-    stack: list[str] = []
+    cycles = [" -> ".join(c) for c in _cycles(_graph())]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
-    def visit(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for n in sorted(graph[m]):
-            if state.get(n) == 1:
-                cycle = stack[stack.index(n):] + [n]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if n not in state:
-                visit(n)
-        stack.pop()
-        state[m] = 2
 
-    for m in sorted(graph):
-        if m not in state:
-            visit(m)
+def test_imports_follow_the_layers():
+    upward = sorted(f"{m} -> {n}" for m, targets in _graph().items() for n in targets
+                    if _part(n) != _part(m) and _part(n) not in LAYERS[_part(m)])
+    assert not upward, "imports the layers do not allow:\n" + "\n".join(upward)
+
+
+def test_layers_are_a_dag_in_order():
+    order = list(LAYERS)
+    for part, allowed in LAYERS.items():
+        later = [p for p in allowed if order.index(p) >= order.index(part)]
+        assert not later, f"{part} may import {later}, listed at or after it"
+
+
+def test_every_part_has_a_layer():
+    parts = {_part(m) for m in _files()}
+    assert parts == set(LAYERS), (parts - set(LAYERS), set(LAYERS) - parts)
+
+
+def _doc_layers() -> dict[str, tuple[str, ...]]:
+    """The table of docs/architecture.md's section "Allowed imports": part -> may import."""
+    section = DOC.read_text().split("\n## Allowed imports\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]
+    table = {}
+    for row in rows:
+        part, allowed = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        table[part.strip("`")] = tuple(re.findall(r"`([^`]+)`", allowed))
+    return table
+
+
+def test_architecture_doc_shows_the_layers():
+    assert _doc_layers() == LAYERS
+
+
+def test_engine_parts_stay_apart():
+    graph = _graph()
     assert "rollwise.engine.native" not in graph["rollwise.rollout.scheduler"]
     # the engine composes its admission and verifier; they never reach back into it
     for part in ("rollwise.engine.admission", "rollwise.engine.verifier"):
