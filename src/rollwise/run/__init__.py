@@ -1,5 +1,6 @@
 """The run lifecycle: the run directory (records, snapshots, checkpoints, resume:
-`rundir`), the health check that stops runs that learn nothing (`health`), and export of a
+`rundir`; the step's metrics record and the snapshot as records of their own: `records`),
+the health check that stops runs that learn nothing (`health`), and export of a
 run's policy (`export`).
 
 May import `compose`, the components and `system`; never `distributed` or `pipeline`.

@@ -12,9 +12,9 @@
     runs/<name>/.lock                held (flock) by the one process writing the run
 
 What makes a resumed run equal an uninterrupted one: at the end of every step (inside the
-block Ctrl-C waits for) the run takes a `snapshot` of everything that changes between
-steps and is not the weights or the optimizer: RNG states, data cursor, allocator and
-rollout-pool state, counters. Every checkpoint, the periodic ones and the one written on
+block Ctrl-C waits for) the run takes a `snapshot` (a `records.Snapshot`) of everything
+that changes between steps and is not the weights or the optimizer: RNG states, data
+cursor, allocator and rollout-pool state, counters. Every checkpoint, the periodic ones and the one written on
 Ctrl-C, is written from the latest snapshot, so an interrupt in the middle of step N+1
 (prompts drawn, RNG advanced) still saves exactly the state after step N.
 """
@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollwise.system.atomic import atomic_write_text
-from rollwise.run.health import HealthCheck, RunUnhealthy
 from rollwise.learner.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -43,11 +41,12 @@ from rollwise.observe import MetricsWriter, format_step_line, progress_bar, writ
 from rollwise.observe.progress import ProgressHandle
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
+from rollwise.run.health import HealthCheck, RunUnhealthy
 from rollwise.run.records import COUNTERS, Snapshot, StepTimes, counted, step_record
+from rollwise.system.atomic import atomic_write_text
 from rollwise.system.runlock import RunLock
 from rollwise.system.runtime import device_memory, rss_peak, run_peak_rss_mb
 from rollwise.types import Group
-
 
 RUN_FILE = "run.json"
 

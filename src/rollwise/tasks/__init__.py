@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rollwise.tasks.agents import build_calc_tool, build_guess, build_lookup
 from rollwise.registry import Registry, options_misfit, options_of
+from rollwise.tasks.agents import build_calc_tool, build_guess, build_lookup
 from rollwise.tasks.arith import build_arith, build_arith_chain, build_arith_mix
 from rollwise.tasks.base import Task, TaskSetup
 from rollwise.tasks.code import build_humaneval, build_pycode
