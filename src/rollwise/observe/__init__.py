@@ -1,6 +1,7 @@
 """Observe: metrics as JSON lines, terminal progress, and self-contained HTML reports.
 
-Light on purpose: no torch import, so the CLI and reports load fast.
+Light on purpose: no torch import, so the CLI and reports load fast. May import `types`,
+`system` and `replay`; never `compose`, `run` or `pipeline` (they import it).
 """
 
 from rollwise.observe.bench_report import write_bench_report
