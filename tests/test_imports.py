@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1] / "src"
 DOC = Path(__file__).parents[1] / "docs" / "architecture.md"
 
+# the components and what they stand on
 _COMPONENTS = ("types", "registry", "system", "algos", "models", "replay", "engine", "rewards",
                "control", "envs", "tasks", "learner", "rollout")
 # part -> the parts it may import; each part after the parts it imports
@@ -46,7 +47,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "run": (*_COMPONENTS, "observe", "compose"),
     "distributed": (*_COMPONENTS, "compose"),
     "pipeline": (*_COMPONENTS, "observe", "compose", "run", "distributed"),
-    # front ends: nothing imports them but the front ends listed here
+    # the front ends: only a front end after them in this table imports them (the root
+    # package reaches `api` lazily, by name)
     "serve": ("types", "system", "models", "engine", "envs", "run"),
     "api": ("types", "rewards", "compose", "pipeline"),
     "bench": (*_COMPONENTS, "observe", "compose", "run", "distributed", "pipeline", "serve"),
@@ -101,7 +103,7 @@ def _named(tree: ast.Module) -> set[str]:
                 sub = f"{node.module}.{alias.name}"
                 if sub in files:  # `from pkg import module`: pkg runs as the module's package
                     out.add(sub)
-                else:  # a name `module` (a package's `__init__` too) must have defined
+                else:  # a name: the module (a package's `__init__` too) must have bound it
                     out.update({node.module, _definer(node.module, alias.name)})
     return {m for m in out if m in files}
 
