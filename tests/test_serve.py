@@ -414,7 +414,7 @@ def test_an_openai_agent_rolls_out_through_the_server_for_training(tmp_path, tea
     from rollwise.types import Group
     from test_runsafety import small
 
-    stages = build(small(tmp_path, "rollout.dtype='float32'"))
+    stages = build(small(tmp_path, "engine.dtype='float32'"))
     server = RolloutServer(stages.policy, stages.engine, name="policy")
     url = server.start()
     try:

@@ -159,7 +159,7 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
             load_checkpoint(found[-1], stages.model)
         except ValueError as e:
             _fail(str(e))
-        stages.engine.publish(stages.engine.version)  # a converted (rollout.dtype) copy
+        stages.engine.publish(stages.engine.version)  # a converted (engine.dtype) copy
         console.print(f"evaluating {found[-1]}")
     result = stages.evaluate()
     from rich.table import Table

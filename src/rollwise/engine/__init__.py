@@ -11,7 +11,7 @@ move they imply: admit, make room, park, restore, evict prefixes) and a `DraftVe
 `emit`, handed to it as a callable). Neither imports `native.py`.
 
 `ENGINES` names their constructors, `fn(model, *, eos_token_ids, pad_token_id, batch_size,
-**options) -> Engine`; `rollout.engine` may also name a user's own by import path
+**options) -> Engine`; `engine.name` may also name a user's own by import path
 ("package.module:factory", docs/extending.md).
 """
 
