@@ -42,7 +42,7 @@ _DYNAMIC = ("DAPO's dynamic sampling is one mechanism now: control.allocator = '
             "control.allocator_options.max_rounds rounds in all; max_rounds = 1 only drops); "
             "docs/allocation.md")
 
-_SAMPLING_ENGINE = [Move(f"rollout.{old}", f"engine.{new}") for old, new in (
+_ENGINE = [Move(f"rollout.{old}", f"engine.{new}") for old, new in (
     ("engine", "name"), ("kv_budget_tokens", "kv_budget_tokens"),
     ("decode_step", "decode_step"), ("batch_size", "batch_size"), ("dtype", "dtype"))]
 _SCHEDULE = [Move(f"rollout.{k}", f"schedule.{k}") for k in (
@@ -83,7 +83,7 @@ _REMOVED = [Move("algorithm.filter_zero_variance", None, default=False, why=_DYN
             Move("algorithm.max_refill_rounds", None, default=0, why=_DYNAMIC)]
 
 # Plain moves first: the conditions of the others read the new places.
-MOVES: list[Move] = _SAMPLING_ENGINE + _SCHEDULE + _EPISODES + _RAY + _STALENESS + _CONTROL \
+MOVES: list[Move] = _ENGINE + _SCHEDULE + _EPISODES + _RAY + _STALENESS + _CONTROL \
     + _REMOVED
 
 
