@@ -21,11 +21,14 @@ from rollwise.control import Controller, PosteriorBook, UniformSampler, make_all
 from rollwise.engine.base import Engine, RequestEngine, SamplingParams
 from rollwise.envs.render import TurnRenderer
 from rollwise.learner import Learner
+from rollwise.learner.files import FileTrainer
 from rollwise.models import Policy, load_policy
 from rollwise.rewards import RewardSpec, get_verifier
 from rollwise.rewards.group import GroupTerm, get_group_reward, is_group_term
 from rollwise.rollout import RolloutScheduler, RolloutStage, strategy
 from rollwise.rollout.episodes import EpisodeRunner, keep_env_rewards
+from rollwise.rollout.remote import RemoteRollout
+from rollwise.rollout.servers import Servers
 from rollwise.tasks import Task, make_task
 from rollwise.types import CORRECT
 
@@ -122,6 +125,31 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
         skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts,
         activation_checkpointing=lc.activation_checkpointing,
         memory_budget_mb=lc.memory_budget_mb)
+
+
+def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer: Callable,
+                 task: Task) -> tuple[RemoteRollout, FileTrainer]:
+    """The rollout port over the servers of engine.remote_urls and the learner in this
+    process whose publications are weight folders; the servers load the driver's weights
+    as version 0 before the first step (they may have started from other ones)."""
+    from rollwise.compose.config import ConfigError
+
+    if task.env is not None:
+        raise ConfigError(f"task '{task.name}' rolls out multi-turn episodes, which need the "
+                          "engine in this process; engine.name='remote' runs single-turn tasks")
+    e = cfg.engine
+    servers = Servers(e.remote_urls, timeout_s=e.remote_timeout_s, retries=e.remote_retries)
+    rollout = RemoteRollout(servers, build_sampling(cfg), policy.decode, scorer,
+                            seed=cfg.run.seed, sync=e.remote_sync, concurrency=e.batch_size)
+    trainer = FileTrainer(build_learner(cfg, policy, precision), policy.model,
+                          e.remote_weights_dir)
+    try:
+        rollout.publish(trainer.publish(0))
+    except BaseException:
+        rollout.close()
+        trainer.close()
+        raise
+    return rollout, trainer
 
 
 def build_eval_tasks(cfg: Config) -> list[tuple[str, Task]]:

@@ -144,7 +144,10 @@ def _check_combinations(cfg: Config) -> None:
     from rollwise.engine import ENGINES
 
     r = cfg.rollout
-    _known("engine.name", cfg.engine.name, ENGINES)
+    if cfg.engine.name == "remote":
+        _check_remote(cfg)
+    else:
+        _known("engine.name", cfg.engine.name, ENGINES)
     if r.group_size == 1 and cfg.algorithm.advantage in GROUP_BASELINES:
         raise ConfigError(f"rollout.group_size = 1: advantage '{cfg.algorithm.advantage}' "
                           "compares the responses within a group, so every advantage would "
@@ -154,6 +157,28 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.engine.name != "native" and needs:
         raise ConfigError(f"{', '.join(needs)} needs the native engine "
                           "(engine.name='native')")
+
+
+def _check_remote(cfg: Config) -> None:
+    """engine.name = 'remote': servers to send to, and only what they can run."""
+    from rollwise.compose.parts import request_engine_settings
+
+    e = cfg.engine
+    if not e.remote_urls:
+        raise ConfigError("engine.name = 'remote' needs at least one server in "
+                          "engine.remote_urls, e.g. ['http://127.0.0.1:8001'] (a `rollwise "
+                          "serve` process)")
+    bad = [u for u in e.remote_urls if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ConfigError(f"engine.remote_urls: {bad[0]!r} is not an http:// or https:// URL")
+    if cfg.run.backend != "local":
+        raise ConfigError(f"engine.name = 'remote' runs with run.backend = 'local' (the "
+                          f"servers are the rollout workers), not {cfg.run.backend!r}")
+    needs = request_engine_settings(cfg)
+    if needs:
+        raise ConfigError(f"{', '.join(needs)} needs the request engine in this process; "
+                          "engine.name = 'remote' runs schedule.strategy = 'continuous' or "
+                          "'sync', without speculative drafts")
 
 
 def check_device(device: str, setting: str = "run.device") -> None:

@@ -125,7 +125,8 @@ class EngineConfig(Section):
 
     name: str = Field(
         "native", description="Generation engine: 'native' (continuous batching, shared "
-        "prompts; falls back to 'hf' for other architectures), 'hf' (HF generate), or a "
+        "prompts; falls back to 'hf' for other architectures), 'hf' (HF generate), 'remote' "
+        "(inference servers in other processes, engine.remote_urls; docs/remote.md), or a "
         "factory of your own as \"package.module:function\" (docs/extending.md).")
     kv_budget_tokens: int = Field(
         65536, ge=1, description="Native engine: tokens its KV cache may hold (requests "
@@ -144,6 +145,24 @@ class EngineConfig(Section):
         "'bfloat16' (weights, activations, KV cache) or 'int8' (int8 projections, float32 "
         "activations). A converted copy of the learner's weights is taken at each publication; "
         "the engine reports log-probs of the precision that sampled (docs/precision.md).")
+    remote_urls: list[str] = Field(
+        default_factory=list, description="engine.name='remote': the base URLs of the "
+        "`rollwise serve` processes rollouts are sent to, e.g. ['http://127.0.0.1:8001']; "
+        "a step's prompts are spread over them.")
+    remote_sync: Literal["pause", "abort"] = Field(
+        "pause", description="engine.name='remote': how a server takes new weights: 'pause' "
+        "(requests in flight wait, then continue with the new weights) or 'abort' (they "
+        "stop and are resumed by whoever sent them).")
+    remote_timeout_s: float = Field(
+        120.0, gt=0, description="engine.name='remote': the longest one request (a group's "
+        "generation, a weight update) may take before the run stops with an error.")
+    remote_retries: int = Field(
+        3, ge=0, description="engine.name='remote': times a failed request (connection "
+        "refused, a 5xx answer) is sent again, to the next server when there are several.")
+    remote_weights_dir: str = Field(
+        "", description="engine.name='remote': the folder each published version is "
+        "written to (the servers must read it: a shared file system for servers on other "
+        "machines); empty: a temporary folder, removed at the end of the run.")
 
 
 class ScheduleConfig(Section):

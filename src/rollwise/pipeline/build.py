@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -33,12 +34,13 @@ from rollwise.compose.parts import (
     build_sampling,
     build_task,
     check_enough_prompts,
+    place_remote,
     reward_specs,
     reward_timeout,
     verify_by_task,
 )
 from rollwise.compose.precision import PrecisionChoice
-from rollwise.control import UniformSampler
+from rollwise.control import Controller, UniformSampler
 from rollwise.engine.base import Engine
 from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Episodes, Evaluator, Generated
@@ -90,17 +92,8 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
     precision = build_precision(cfg, policy)
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
     control = build_control(cfg, sampler)
-    if train_pool is not None:
-        rollout = build_rollout_stage(cfg, policy, precision, train_pool.score, task=task,
-                                      fetch=control.extra if task.env is None else None)
-        trainer, resources = build_learner(cfg, policy, precision), [train_pool]
-        weights_from = rollout.engine  # the evaluator reads the rollout engine's weights
-    else:
-        from rollwise.distributed import place_on_ray
-
-        rollout, trainer, connection = place_on_ray(cfg, policy, precision, scoring.specs,
-                                                    scoring.timeout_s)
-        resources, weights_from = [connection], None
+    rollout, trainer, resources, weights_from = _place(cfg, policy, precision, task, control,
+                                                       scoring, train_pool)
     evaluator = _evaluator(cfg, policy, task, precision, eval_prompts, scoring.eval_pool,
                            weights_from)
     a = cfg.algorithm
@@ -111,8 +104,7 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
         trainable_parameters=sum(p.numel() for p in policy.model.parameters()
                                  if p.requires_grad),
         precision=precision.record(), precision_line=precision.line(),
-        placement=({"backend": "ray", "rollout_workers": cfg.ray.num_workers}
-                   if cfg.run.backend == "ray" else {}),
+        placement=_placement(cfg),
         task={**{k: v for _, x in scoring.extra for k, v in x.info.items()}, **task.info})
     return Stages(
         policy=policy, task=task, sampler=sampler, control=control, rollout_stage=rollout,
@@ -122,6 +114,34 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
         group_rewards=build_group_terms(cfg, rewards or {}), mask_truncated=a.mask_truncated,
         kl_in_reward=a.kl_coef if a.kl_in_reward else 0.0,
         resources=[*resources, scoring.eval_pool])
+
+
+def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,
+           control: Controller, scoring: _Scoring, train_pool: RewardPool | None):
+    """The two ports where run.backend and engine.name put them: (rollout, trainer, what
+    closes with them, the rollout engine the evaluator reads its weights from or None)."""
+    if train_pool is None:
+        from rollwise.distributed import place_on_ray
+
+        rollout, trainer, connection = place_on_ray(cfg, policy, precision, scoring.specs,
+                                                    scoring.timeout_s)
+        return rollout, trainer, [connection], None
+    if cfg.engine.name == "remote":  # the servers roll out; the evaluator has its own engine
+        rollout, trainer = place_remote(cfg, policy, precision, train_pool.score, task)
+        return rollout, trainer, [train_pool], None
+    rollout = build_rollout_stage(cfg, policy, precision, train_pool.score, task=task,
+                                  fetch=control.extra if task.env is None else None)
+    # the evaluator reads the rollout engine's weights
+    return rollout, build_learner(cfg, policy, precision), [train_pool], rollout.engine
+
+
+def _placement(cfg: Config) -> dict[str, Any]:
+    """Where the ports run, for the run's summary."""
+    if cfg.run.backend == "ray":
+        return {"backend": "ray", "rollout_workers": cfg.ray.num_workers}
+    if cfg.engine.name == "remote":
+        return {"rollout": "remote", "remote_servers": len(cfg.engine.remote_urls)}
+    return {}
 
 
 def _scoring(cfg: Config, task: Task, rewards: Rewards | None) -> _Scoring:
@@ -156,9 +176,11 @@ def _evaluator(cfg: Config, policy: Policy, task: Task, precision: PrecisionChoi
                prompts: list[EncodedPrompt], pool: RewardPool,
                weights_from: Engine | None) -> Evaluator:
     """The evaluator over its own engine: one reading the rollout engine's weights in this
-    process, else one over the driver's copy of the policy."""
+    process, else one over the driver's copy of the policy (rollouts on Ray actors or
+    remote servers: a native engine)."""
     r, e = cfg.rollout, cfg.eval
-    engine = build_engine(cfg.engine.name, policy, e.batch_size, cfg.engine.kv_budget_tokens,
+    name = "native" if cfg.engine.name == "remote" else cfg.engine.name
+    engine = build_engine(name, policy, e.batch_size, cfg.engine.kv_budget_tokens,
                           precision.rollout, weights_from=weights_from,
                           decode_step=cfg.engine.decode_step)
     if task.env is None:

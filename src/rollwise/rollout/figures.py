@@ -9,6 +9,10 @@ so adding rounds weights them correctly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollwise.types import Group
 
 
 @dataclass
@@ -40,6 +44,24 @@ class RolloutFigures:
         return RolloutFigures(**summed, staleness_max=max(self.staleness_max,
                                                           other.staleness_max),
                               pool_groups=other.pool_groups)
+
+    @classmethod
+    def of_returned(cls, groups: list[Group], version: int, makespan: float,
+                    done_times: list[float], **counts) -> RolloutFigures:
+        """The figures of the groups a round returned, trained at policy `version`: their
+        tokens, staleness and lengths, and the tail (the makespan minus the time 90% of
+        the samples had finished, `done_times` in seconds from the round's start);
+        `counts`: the generator's own (generated tokens, forward passes, ...)."""
+        trajs = [t for g in groups for t in g.trajectories]
+        ages = [t.age(version) for t in trajs if t.versions]
+        times = sorted(done_times)
+        p90 = times[min(len(times) - 1, int(0.9 * len(times)))] if times else makespan
+        return cls(makespan_s=makespan, tail_time_s=makespan - p90,
+                   trained_tokens=sum(len(t.response_ids) for t in trajs),
+                   offpolicy_tokens=sum(v < version for t in trajs for v in t.versions),
+                   staleness_sum=sum(ages), staleness_count=len(ages),
+                   staleness_max=max(ages or [0]),
+                   lengths=[len(t.response_ids) for t in trajs], **counts)
 
     @property
     def tokens_per_s(self) -> float:

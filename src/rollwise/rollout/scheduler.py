@@ -276,22 +276,14 @@ class RolloutScheduler:
     def _figures(self, groups: list[Group], before, makespan: float,
                  done_times: list[float], stale: dict[str, int]) -> RolloutFigures:
         s = self.engine.stats
-        trajs = [t for g in groups for t in g.trajectories]
-        tokens = sum(len(t.response_ids) for t in trajs)
-        old = sum(v < self.version for t in trajs for v in t.versions)
-        ages = [t.age(self.version) for t in trajs if t.versions]
-        times = sorted(done_times)
-        p90 = times[min(len(times) - 1, int(0.9 * len(times)))] if times else makespan
-        return RolloutFigures(
-            makespan_s=makespan, tail_time_s=makespan - p90,
+        return RolloutFigures.of_returned(
+            groups, self.version, makespan, done_times,
             generated_tokens=s.generated_tokens - before.generated_tokens,
             forward_passes=s.forward_passes - before.forward_passes,
             row_forwards=s.row_forwards - before.row_forwards,
-            trained_tokens=tokens, offpolicy_tokens=old, staleness_sum=sum(ages),
-            staleness_count=len(ages), staleness_max=max(ages or [0]),
             spec_verifies=s.spec_verifies - before.spec_verifies,
             spec_accepted=s.spec_accepted - before.spec_accepted,
-            pool_groups=len(self.pool), lengths=[len(t.response_ids) for t in trajs], **stale)
+            pool_groups=len(self.pool), **stale)
 
     # -- state (checkpoints) ---------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -20,9 +19,8 @@ from rollwise.rewards.pool import RewardStats
 from rollwise.rollout.episodes import EpisodeFigures, EpisodeRunner
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scheduler import RolloutScheduler
+from rollwise.rollout.scoring import ScoreAhead, Scorer
 from rollwise.types import EncodedPrompt, Group, Published, Trajectory
-
-Scorer = Callable[[list[Trajectory]], RewardStats]  # scores in place, returns the counts
 
 
 def generate_groups(engine: Engine, prompts: list[EncodedPrompt], params: SamplingParams,
@@ -54,10 +52,7 @@ class RolloutStage:
         self.episodes = episodes
         self._figures: list[RolloutFigures] = []  # this step's rounds
         self._episode_figures: list[EpisodeFigures] = []
-        # (group, its scoring) in the order they completed; held by the group itself, not
-        # its id(), so a dropped group's address reused by a new one cannot match
-        self._scoring: list[tuple[Group, Future]] = []
-        self._thread: ThreadPoolExecutor | None = None
+        self._ahead = ScoreAhead(scorer)
 
     def run(self, prompts: list[EncodedPrompt], sizes: list[int]) -> list[Group]:
         """Groups for `prompts` (`sizes[i]` samples for prompt i). The scheduler's strategy
@@ -70,7 +65,7 @@ class RolloutStage:
             return groups
         if self.scheduler is not None:
             report = self.scheduler.run(prompts, self.fetch, sizes=sizes,
-                                        on_group=self._score_later)
+                                        on_group=self._ahead.start)
             self._figures.append(report.figures)
             return report.groups
         by_n: dict[int, list[int]] = {}
@@ -84,28 +79,10 @@ class RolloutStage:
                 groups[i] = g
         return groups
 
-    def _score_later(self, group: Group) -> None:
-        """Start scoring a complete group while the engine decodes the rest (the reward
-        pool's worker threads run the verifiers; torch releases the GIL while decoding)."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="rollwise-score")
-        self._scoring.append((group, self._thread.submit(self.scorer, group.trajectories)))
-
     def score(self, groups: list[Group]) -> RewardStats:
-        """Every trajectory of `groups` scored: started ones collected, the rest scored now."""
-        stats = RewardStats(0, 0, 0, 0.0)
-        started, self._scoring = self._scoring, []
-        rest = []
-        for g in groups:
-            hit = next((i for i, (h, _) in enumerate(started) if h is g), None)
-            if hit is None:
-                rest.extend(g.trajectories)
-            else:
-                stats = stats + started.pop(hit)[1].result()
-        self._scoring = started  # started for groups not asked about (kept for a later call)
-        if rest:
-            stats = stats + self.scorer(rest)
-        return stats
+        """Every trajectory of `groups` scored: started ones collected (torch releases the
+        GIL while the engine decodes, so they scored meanwhile), the rest scored now."""
+        return self._ahead.collect(groups)
 
     def metrics(self) -> dict[str, float]:
         """The scheduler's figures over this step's rounds ({} on the plain path); resets."""
@@ -131,9 +108,7 @@ class RolloutStage:
 
     def close(self) -> None:
         """Stop the scoring thread (started again if the stage is used after)."""
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        self._ahead.close()
 
     def state_dict(self) -> dict[str, Any] | None:
         """The scheduler's partial pool and reuse cache; None on the plain path."""

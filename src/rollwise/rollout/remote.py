@@ -1,0 +1,214 @@
+"""The rollout port over inference servers in other processes (`rollwise serve`, or any
+server speaking its rollout protocol; docs/remote.md).
+
+Token ids go out, token ids with their log-probs, policy versions and finish reasons come
+back (`POST /v1/generate`): one request per group, the step's groups spread over the
+servers in turn. Each sample carries the seed the in-process scheduler would give it (the
+same group numbering and `derive_seed`), so with the same weights a remote run samples
+exactly what a local one samples. The driver scores each group as its answer arrives
+(`ScoreAhead`, as the in-process stage does). Weights arrive as folders the trainer wrote
+(`Published.handle`); `publish` has every server load one (`POST /v1/weights/update`).
+
+Imports the engine's sampling settings and seeds, the reward counts, the rollout figures
+and the records; HTTP lives in rollout/servers.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollwise.engine.base import SamplingParams
+from rollwise.engine.sampling import derive_seed
+from rollwise.rewards.pool import RewardStats
+from rollwise.rollout.figures import RolloutFigures
+from rollwise.rollout.scoring import ScoreAhead, Scorer
+from rollwise.rollout.servers import RemoteError, Servers
+from rollwise.types import Completion, EncodedPrompt, Group, Published, Trajectory
+
+TIMINGS = ("queue_s", "prefill_s", "decode_s")  # a server's per-request timings, if it gives them
+RESUMES = 8  # times one group is sent again after a weight update aborted it ('abort' mode)
+
+
+@dataclass
+class _Calls:
+    """The requests of a step: their round trips and the servers' own timings."""
+
+    http_s: list[float] = field(default_factory=list)
+    timings: dict[str, list[float]] = field(default_factory=dict)
+    resumed: int = 0  # samples sent again after an update aborted them
+
+    def add(self, seconds: float, timings: dict[str, float] | None) -> None:
+        self.http_s.append(seconds)
+        for k in TIMINGS:
+            if timings and k in timings:
+                self.timings.setdefault(k, []).append(float(timings[k]))
+
+    def metrics(self) -> dict[str, float]:
+        """Per-request figures of the step: the count, the mean and longest round trip,
+        the mean seconds queued, prefilling and decoding on the server."""
+        if not self.http_s:
+            return {}
+        out = {"remote_requests": len(self.http_s), "remote_resumed": self.resumed,
+               "remote_http_seconds": sum(self.http_s) / len(self.http_s),
+               "remote_http_seconds_max": max(self.http_s)}
+        return out | {f"remote_{k.removesuffix('_s')}_seconds": sum(v) / len(v)
+                      for k, v in self.timings.items()}
+
+
+class RemoteRollout:
+    """The rollout port over `servers`. `seed`: the run's (the samples' seeds derive from
+    it and the group numbers); `sync`: how a server takes new weights ('pause' or 'abort');
+    `concurrency`: groups in flight at once (the servers batch what arrives together)."""
+
+    def __init__(self, servers: Servers, sampling: SamplingParams,
+                 decode: Callable[[list[int]], str], scorer: Scorer, *, seed: int,
+                 sync: str = "pause", concurrency: int = 64, version: int = 0):
+        self.servers, self.sampling, self.decode = servers, sampling, decode
+        self.seed, self.sync = seed, sync
+        self._ahead = ScoreAhead(scorer)
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rollwise-remote")
+        self._lock = threading.Lock()
+        self._uid = 0  # the next group number
+        self._weights = Published(version)
+        self._figures: list[RolloutFigures] = []
+        self._calls = _Calls()
+        self._load_s = 0.0
+
+    @property
+    def version(self) -> int:
+        return self._weights.version
+
+    def run(self, prompts: list[EncodedPrompt], sizes: list[int]) -> list[Group]:
+        """One request per group, in flight together; each group starts scoring when its
+        answer arrives. A server that fails for good stops the step with its error."""
+        with self._lock:
+            first = self._uid
+            self._uid += len(prompts)
+        start = time.perf_counter()
+        futures: dict[Future, int] = {
+            self._pool.submit(self._group, p, n, first + i): i
+            for i, (p, n) in enumerate(zip(prompts, sizes, strict=True))}
+        groups: list[Group] = [None] * len(prompts)  # type: ignore[list-item]
+        done_times: list[float] = []
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for f in finished:
+                if f.exception() is not None:
+                    for rest in pending:
+                        rest.cancel()
+                    raise f.exception()  # type: ignore[misc]
+                group, seconds = f.result()
+                groups[futures[f]] = group
+                done_times += [time.perf_counter() - start] * len(group.trajectories)
+                self._calls.add(*seconds)
+                self._ahead.start(group)
+        makespan = time.perf_counter() - start
+        tokens = sum(len(t.response_ids) for g in groups for t in g.trajectories)
+        self._figures.append(RolloutFigures.of_returned(groups, self.version, makespan,
+                                                        done_times, generated_tokens=tokens))
+        return groups
+
+    def _group(self, prompt: EncodedPrompt, n: int, uid: int):
+        """The group numbered `uid` (its samples' seeds as the in-process scheduler's),
+        sent again for the samples a weight update aborted, from where they stopped.
+        (the group, (round-trip seconds, the server's timings))."""
+        seeds = [derive_seed(self.seed, uid * 1024 + k) for k in range(n)]
+        done: list[Completion | None] = [None] * n
+        version, seconds, timings = self.version, 0.0, None
+        todo = list(range(n))
+        for _ in range(RESUMES + 1):
+            answer, took = self.servers.post("/v1/generate", self._body(
+                prompt, uid, [seeds[k] for k in todo], [done[k] for k in todo]), first=uid)
+            seconds, timings, version = seconds + took, answer.get("timings"), answer["version"]
+            for k, c in zip(todo, _completions(answer, len(todo)), strict=True):
+                done[k] = c
+            todo = [k for k in range(n) if done[k].finish_reason == "abort"]  # type: ignore[union-attr]
+            if not todo:
+                break
+            with self._lock:
+                self._calls.resumed += len(todo)
+        else:
+            raise RemoteError(f"group {uid} was aborted by weight updates {RESUMES + 1} times")
+        group = Group(sample=prompt.sample, trajectories=[
+            Trajectory.from_completion(prompt, c, self.decode, version, {})
+            for c in done if c is not None])
+        return group, (seconds, timings)
+
+    def _body(self, prompt: EncodedPrompt, uid: int, seeds: list[int],
+              partial: list[Completion | None]) -> dict[str, Any]:
+        s = self.sampling
+        body = {"prompt_token_ids": list(prompt.ids), "n": len(seeds), "seeds": seeds,
+                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "max_tokens": s.max_tokens, "request_id": f"rollwise-{uid}"}
+        if any(c is not None for c in partial):
+            body["resume"] = [{"token_ids": c.token_ids, "logprobs": c.logprobs,
+                               "versions": c.versions} if c is not None else
+                              {"token_ids": [], "logprobs": [], "versions": []}
+                              for c in partial]
+        return body
+
+    def score(self, groups: list[Group]) -> RewardStats:
+        """Every trajectory of `groups` scored: those scored as they arrived collected,
+        the rest scored now."""
+        return self._ahead.collect(groups)
+
+    def metrics(self) -> dict[str, float]:
+        """The rollout figures of this step's rounds (forward passes are the servers'
+        own: left out), the requests' timings, retries and the last weight load; resets."""
+        rounds, self._figures = self._figures, []
+        calls, self._calls = self._calls, _Calls()
+        load, self._load_s = self._load_s, 0.0
+        out = sum(rounds, RolloutFigures()).metrics() if rounds else {}
+        out.pop("rollout_forward_passes", None)
+        return out | calls.metrics() | {"remote_retries": self.servers.take_retries(),
+                                        "weights_load_seconds": load}
+
+    def publish(self, weights: Published) -> None:
+        """Every server loads the folder `weights.handle` as `weights.version` (all at
+        once); the first failure stops the run with the server's message."""
+        if weights.handle is None:
+            raise RemoteError("the trainer published no weights folder for the servers "
+                              "(engine.name='remote' needs the trainer that writes one)")
+        body = {"path": str(weights.handle), "version": weights.version, "mode": self.sync,
+                "timeout_s": self.servers.timeout_s}
+        calls = [self._pool.submit(self.servers.post, "/v1/weights/update", body, first=i,
+                                   spread=False) for i in range(len(self.servers.urls))]
+        seconds = max(f.result()[1] for f in calls)
+        with self._lock:
+            self._weights = weights
+            self._load_s = max(self._load_s, seconds)
+
+    def server_versions(self) -> list[int]:
+        """The version each server samples with now (GET /v1/weights)."""
+        return [int(self.servers.get(i, "/v1/weights")["version"])
+                for i in range(len(self.servers.urls))]
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The next group number (the samples' seeds derive from it)."""
+        with self._lock:
+            return {"uid": self._uid}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self._uid = state["uid"]
+
+    def close(self) -> None:
+        self._ahead.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.servers.close()
+
+
+def _completions(answer: dict[str, Any], n: int) -> list[Completion]:
+    """The answer's choices in order, as the engine's completions."""
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    if len(choices) != n:
+        raise RemoteError(f"asked for {n} samples, the server answered {len(choices)}")
+    return [Completion(0, list(c["token_ids"]), list(c["logprobs"]), c["finish_reason"],
+                       list(c.get("versions") or [answer["version"]] * len(c["token_ids"])))
+            for c in choices]
