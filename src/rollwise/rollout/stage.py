@@ -48,11 +48,20 @@ class RolloutStage:
                  fetch: Callable[[int], list[EncodedPrompt]] | None = None,
                  episodes: EpisodeRunner | None = None):
         self.engine, self.sampling, self.decode = engine, sampling, decode
-        self.scorer, self.scheduler, self.fetch = scorer, scheduler, fetch
+        self.scheduler, self.fetch = scheduler, fetch
         self.episodes = episodes
         self._figures: list[RolloutFigures] = []  # this step's rounds
         self._episode_figures: list[EpisodeFigures] = []
         self._ahead = ScoreAhead(scorer)
+
+    @property
+    def scorer(self) -> Scorer:
+        """Scores trajectories in place (the reward pool's, or the reward actor's)."""
+        return self._ahead.scorer
+
+    @scorer.setter
+    def scorer(self, scorer: Scorer) -> None:
+        self._ahead.scorer = scorer
 
     def run(self, prompts: list[EncodedPrompt], sizes: list[int]) -> list[Group]:
         """Groups for `prompts` (`sizes[i]` samples for prompt i). The scheduler's strategy
