@@ -159,7 +159,8 @@ def test_allocator_respects_budget_and_exploration_floor(name):
         assert max(gaps) <= window, (pid, steps_seen)
 
 
-@pytest.mark.parametrize("name", ["thompson", "pilot_commit", "vcrl", "dynamic", "dars"])
+@pytest.mark.parametrize("name", ["thompson", "pilot_commit", "vcrl", "dynamic", "dars",
+                                  "aero", "hive"])
 def test_adaptive_allocators_train_on_more_informative_groups_than_uniform(name):
     def informative(trained):
         groups = [g for step in trained[20:] for g in step]

@@ -10,7 +10,13 @@ The learner and driver call these only through the registries; a new estimator i
 function plus one `@register` line. docs/algorithms.md lists every name.
 """
 
-from rollwise.algos import advantages, importance, kl, losses  # noqa: F401  (registers)
+from rollwise.algos import (  # noqa: F401  (registers)
+    advantages,
+    importance,
+    kl,
+    losses,
+    reweighting,
+)
 from rollwise.algos.advantages import call_estimator
 from rollwise.algos.inputs import AdvantageInputs, inputs_of, uses
 from rollwise.algos.losses import aggregate

@@ -28,7 +28,8 @@ F = TypeVar("F", bound=Callable)
 class AdvantageInputs:
     """The inputs of one batch (N rows, T = the batch's padded length, K = its most
     turns); a field is None where the batch has no such input (token_rewards without the
-    KL in the reward) or no estimator asked for it (the multi-turn ones)."""
+    KL in the reward, ref_values when no sample has one) or no estimator asked for it (the
+    multi-turn ones)."""
 
     mask: torch.Tensor | None = None  # [N, T] 1 on response tokens (the loss mask)
     lengths: torch.Tensor | None = None  # [N] response lengths in sampled tokens
@@ -41,6 +42,12 @@ class AdvantageInputs:
     # (equal ids: the same state; -1 past a row's turns)
     trees: torch.Tensor | None = None  # [N] long, Tree-GRPO: the tree of its group a row
     # is a leaf of
+    logprobs: torch.Tensor | None = None  # [N, T] behaviour log-prob of each sampled token
+    # (0 off the response)
+    input_ids: torch.Tensor | None = None  # [N, T] long, the row's tokens (prompt, response,
+    # padding; `mask` picks the response)
+    ref_values: torch.Tensor | None = None  # [N] the prompt's value under a reference policy
+    # (`Sample.meta["ref_value"]`, PVPO's anchor); NaN where its sample has none
 
     def pick(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The keywords for an estimator that uses `names`: those of them this batch has."""

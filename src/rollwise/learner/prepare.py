@@ -10,6 +10,7 @@ ones an estimator declares (`rollwise.algos.uses`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -47,6 +48,7 @@ def prepare_batch(groups: list[Group], estimator: Callable, *, pad_id: int,
         mask=batch.loss_mask, token_rewards=token_rewards,
         # sampled tokens only (a multi-turn episode's observations are not its length)
         lengths=torch.tensor([sum(t.sampled_mask) for t in trajs], dtype=torch.float32),
+        logprobs=batch.old_logprobs, input_ids=batch.input_ids, ref_values=ref_values(trajs),
         **episode_inputs(trajs, batch.loss_mask.shape[1], inputs_of(estimator)))
     adv, keep = call_estimator(estimator, rewards, group_ids, inputs, options)
     batch.advantages = adv.detach().float()
@@ -66,6 +68,16 @@ def record_advantages(trajs: list[Trajectory], advantages: torch.Tensor, mask: t
         advantages = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     for i, (traj, value) in enumerate(zip(trajs, advantages.tolist(), strict=True)):
         traj.advantage = value if keep is None or bool(keep[i]) else None
+
+
+def ref_values(trajs: list[Trajectory]) -> torch.Tensor | None:
+    """[N] each row's prompt value under a reference policy, its sample's
+    `meta["ref_value"]` (PVPO's anchor), NaN where it has none; None when no sample has one."""
+    values = [t.sample.meta.get("ref_value") for t in trajs]
+    if all(v is None for v in values):
+        return None
+    return torch.tensor([math.nan if v is None else float(v) for v in values],
+                        dtype=torch.float64)
 
 
 def episode_inputs(trajs: list[Trajectory], width: int, wanted: tuple[str, ...]
