@@ -374,7 +374,7 @@ def test_a_run_directory_serves_its_latest_checkpoint(tmp_path):
     train(build(cfg), Run(root, resume=False, config_toml=to_toml(cfg), echo=lambda s: None),
           2, checkpoint_every=1)
     served = load_served(str(root))
-    assert served.name == "run@step_2" and served.version == 2
+    assert served.name == "run" and served.aliases == ("run@step_2",) and served.version == 2
     saved = load_file(root / "checkpoints" / "step_2" / "model.safetensors")
     params = dict(served.policy.model.named_parameters())
     assert all(torch.equal(params[n], t) for n, t in saved.items())
@@ -472,7 +472,8 @@ def test_fuzzed_bodies_never_get_a_5xx(live):
         assert r.status_code < 500, r.text
 
     one()
-    r = httpx.post(live[1] + "/v1/completions", headers=auth, json=base)
+    r = httpx.post(live[1] + "/v1/completions", headers=auth,
+                   json={k: v for k, v in base.items() if k != "messages"})
     assert r.status_code == 200
 
 

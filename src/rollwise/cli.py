@@ -249,7 +249,12 @@ def serve(model: Annotated[str, typer.Option(
                                       ] = 65536,
           device: Annotated[str, typer.Option(help="Torch device: cpu, cuda or cuda:N.")
                             ] = "cpu",
-          threads: Annotated[int, typer.Option(help="Torch CPU threads (0: cores free at start).")] = 0):
+          threads: Annotated[int, typer.Option(help="Torch CPU threads (0: cores free at start).")] = 0,
+          served_model_name: Annotated[str | None, typer.Option(
+              help="The model id clients see (the model's own name stays accepted).")] = None,
+          tiny_context: Annotated[int | None, typer.Option(
+              help="Model 'tiny' only: its context in tokens (default 512; 2048 fits a chat "
+              "with tools).")] = None):
     """Serve a model over an OpenAI-compatible HTTP API (docs/serve.md)."""
     import uvicorn
 
@@ -267,7 +272,8 @@ def serve(model: Annotated[str, typer.Option(
     try:
         server = make_server(model, step=step, dtype=dtype, api_key=api_key, limits=limits,
                              max_num_seqs=max_num_seqs, kv_budget_tokens=kv_budget_tokens,
-                             device=device)
+                             device=device, served_model_name=served_model_name,
+                             tiny_context=tiny_context)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
     console.print(f"serving '{server.name}' (policy version {server.engine.version}) on "

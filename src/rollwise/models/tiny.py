@@ -49,12 +49,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                vocab_size: int | None = None, seed: int = 0) -> LlamaForCausalLM:
-    """A randomly initialised Llama-architecture decoder (about 0.8M parameters by default)."""
+                vocab_size: int | None = None, seed: int = 0, context: int = 512
+                ) -> LlamaForCausalLM:
+    """A randomly initialised Llama-architecture decoder (about 0.8M parameters by default)
+    with a context of `context` tokens."""
     config = LlamaConfig(
         vocab_size=vocab_size or len(SPECIALS) + len(CHARS), hidden_size=hidden,
         intermediate_size=hidden * 3, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, max_position_embeddings=512, rms_norm_eps=1e-5,
+        num_key_value_heads=kv_heads, max_position_embeddings=context, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     torch.manual_seed(seed)
@@ -107,18 +109,23 @@ def _sft(model, tokenizer, examples, steps: int, lr: float, batch: int, seed: in
 
 def load_tiny(examples: list[tuple[str, str]] | None = None, *, hidden: int = 128,
               layers: int = 4, heads: int = 4, kv_heads: int = 2, sft_steps: int = 250,
-              sft_lr: float = 3e-3, sft_batch: int = 64, seed: int = 0):
-    """The tiny model and tokenizer, warm-started on `examples` (cached), or untrained."""
+              sft_lr: float = 3e-3, sft_batch: int = 64, seed: int = 0, context: int = 512):
+    """The tiny model and tokenizer, warm-started on `examples` (cached), or untrained.
+    `context`: the longest sequence it takes (2048 leaves room for the tool instructions
+    `rollwise serve` adds to a chat with tools). No weight depends on it (rotary positions
+    are computed), so the cached warm start serves any context and is not keyed by it."""
     tokenizer = build_tokenizer()
     settings = {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
                 "sft_steps": sft_steps, "sft_lr": sft_lr, "sft_batch": sft_batch, "seed": seed,
                 "vocab": SPECIALS + CHARS, "format": 1}
     if not examples or sft_steps == 0:
-        return build_model(hidden, layers, heads, kv_heads, seed=seed), tokenizer
+        return build_model(hidden, layers, heads, kv_heads, seed=seed, context=context), tokenizer
     path = cache_root() / "tiny" / warm_start_key(settings, examples)
     if (path / "model.safetensors").is_file():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer
-    model = build_model(hidden, layers, heads, kv_heads, seed=seed)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.config.max_position_embeddings = context
+        return model, tokenizer
+    model = build_model(hidden, layers, heads, kv_heads, seed=seed, context=context)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         _sft(model, tokenizer, examples, sft_steps, sft_lr, sft_batch, seed)

@@ -9,6 +9,9 @@ Each request has a `sink`, called on the driver thread with its events:
     Tokens(ids, logprobs, versions)   new tokens (only for requests that asked to watch)
     Done(completion)                  finished, stopped by a stop token/length, or aborted
     Failed(message, status)           refused (400) or the engine raised (500); gone
+
+Each handle records when it was submitted, when the step that gave its first token began
+and ended, and when it finished: its queue, prefill and decode seconds (`Handle.timings`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -58,11 +62,24 @@ class Handle:
     seed: int | None
     sink: Callable[[Event], None]
     watch: bool  # send Tokens events as tokens arrive (streaming, stop strings)
+    resume: Completion | None = None  # a partial sample to continue
+    priority: float = 0.0
     rid: int | None = None  # the engine's id once submitted
     sent: int = 0  # tokens already sent as Tokens events
     cancelled: bool = False
     finished: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_step: tuple[float, float] | None = None  # (start, end) of the step with its 1st token
+    ended: float | None = None
+
+    def timings(self) -> dict[str, float]:
+        """Seconds queued (submitted to the start of the step that gave its first token),
+        in that step (its prefill) and decoding after it (to the end)."""
+        end = self.ended if self.ended is not None else time.perf_counter()
+        start, first = self.first_step or (end, end)
+        return {"queue_s": start - self.submitted, "prefill_s": first - start,
+                "decode_s": end - first}
 
 
 class EngineDriver:
@@ -77,6 +94,9 @@ class EngineDriver:
         self._idle_poll_s = idle_poll_s
         self._thread: threading.Thread | None = None
         self.pending = 0  # handles submitted and not finished (read by the app for limits)
+        self.running = 0  # sequences holding a row after the last step (for /metrics)
+        self.kv_tokens = 0  # tokens held in the KV cache after the last step
+        self._starting: set[Handle] = set()  # submitted, no token of their own yet
         self._lock = threading.Lock()
 
     # -- any thread ------------------------------------------------------------------------
@@ -89,7 +109,7 @@ class EngineDriver:
             self._thread.start()
 
     @property
-    def running(self) -> bool:
+    def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
@@ -100,8 +120,9 @@ class EngineDriver:
             self._thread = None
 
     def submit(self, prompt: list[int], params: SamplingParams, seed: int | None,
-               sink: Callable[[Event], None], *, watch: bool = False) -> Handle:
-        h = Handle(list(prompt), params, seed, sink, watch)
+               sink: Callable[[Event], None], *, watch: bool = False,
+               resume: Completion | None = None, priority: float = 0.0) -> Handle:
+        h = Handle(list(prompt), params, seed, sink, watch, resume, priority)
         with self._lock:
             self.pending += 1
         self._commands.put(("submit", h))
@@ -143,15 +164,19 @@ class EngineDriver:
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "submit":
             h: Handle = arg
-            if h.cancelled:
-                self._done(h, Completion(0, [], [], "abort"))
+            if h.cancelled:  # aborted before it reached the engine: what it came with
+                part = h.resume or Completion(0, [], [], "abort")
+                self._done(h, Completion(0, list(part.token_ids), list(part.logprobs), "abort",
+                                         list(part.versions)))
                 return
             try:
-                h.rid = self.engine.submit(h.prompt, h.params, seed=h.seed)
+                h.rid = self.engine.submit(h.prompt, h.params, seed=h.seed, resume=h.resume,
+                                           priority=h.priority)
             except ValueError as e:  # the engine's own refusal (context, budget)
                 self._fail(h, str(e), 400)
                 return
             self._live[h.rid] = h
+            self._starting.add(h)
         elif kind == "abort":
             if arg.rid is not None and arg.rid in self._live:
                 self._abort(arg)
@@ -162,7 +187,16 @@ class EngineDriver:
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
 
+    def abort_live(self) -> int:
+        """On the driver thread: stop every running request (each sink gets Done with its
+        tokens so far); how many there were."""
+        live = list(self._live.values())
+        for h in live:
+            self._abort(h)
+        return len(live)
+
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             finished = self.engine.step()
         except Exception as e:
@@ -173,6 +207,7 @@ class EngineDriver:
                 self._live.pop(h.rid, None)
                 self._fail(h, f"engine error: {type(e).__name__}: {e}")
             return
+        self._mark_first_tokens(start, finished)
         for c in finished:
             h = self._live.pop(c.request_id, None)
             if h is not None:
@@ -181,6 +216,21 @@ class EngineDriver:
         for h in list(self._live.values()):
             if h.watch:
                 self._send_new(h, self.engine.peek(h.rid))
+
+    def _mark_first_tokens(self, start: float, finished: list[Completion]) -> None:
+        """Note the step that gave each starting request its first token; the gauges."""
+        end = time.perf_counter()
+        done = {c.request_id: c for c in finished}
+        for h in list(self._starting):
+            c = done.get(h.rid) or (self.engine.peek(h.rid) if h.rid in self._live else None)
+            base = len(h.resume.token_ids) if h.resume is not None else 0
+            if c is not None and len(c.token_ids) > base:
+                h.first_step = (start, end)
+                self._starting.discard(h)
+        count = getattr(self.engine, "num_running", None)
+        held = getattr(self.engine, "kv_tokens", None)
+        self.running = count() if count is not None else len(self._live)
+        self.kv_tokens = held() if held is not None else 0
 
     def _send_new(self, h: Handle, c: Completion) -> None:
         if h.watch and len(c.token_ids) > h.sent:
@@ -195,13 +245,15 @@ class EngineDriver:
         self._done(h, c)
 
     def _done(self, h: Handle, c: Completion) -> None:
-        h.finished = True
+        h.finished, h.ended = True, time.perf_counter()
+        self._starting.discard(h)
         with self._lock:
             self.pending -= 1
         self._emit(h, Done(c))
 
     def _fail(self, h: Handle, message: str, status: int = 500) -> None:
-        h.finished = True
+        h.finished, h.ended = True, time.perf_counter()
+        self._starting.discard(h)
         with self._lock:
             self.pending -= 1
         self._emit(h, Failed(message, status))

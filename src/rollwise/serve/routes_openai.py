@@ -3,7 +3,7 @@ streamed (server-sent events) or whole, and the record each call leaves under it
 (the `episode_id` field or the x-episode-id header).
 
 Imports FastAPI, `engine.base`, `serve.choices`, `serve.errors`, `serve.schemas`,
-`serve.text`; `RolloutServer` only for annotations.
+`serve.text`; `serve.state` (`ServerState`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -23,34 +23,39 @@ from rollwise.engine.base import SamplingParams
 from rollwise.serve.choices import ChoiceResult, EngineFailure, run_choice, sequence_seed
 from rollwise.serve.errors import APIError, error_body
 from rollwise.serve.schemas import ChatBody, CompletionBody
+from rollwise.serve.state import ServerState
 from rollwise.serve.text import parse_tool_calls, render_chat
-
-if TYPE_CHECKING:
-    from rollwise.serve.server import RolloutServer
 
 EPISODE_HEADER = "x-episode-id"
 
 
-def add_openai_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
+def add_openai_routes(app: FastAPI, server: ServerState, auth: list) -> None:
     """/v1/models, /v1/chat/completions and /v1/completions, streamed or whole."""
+
+    def card() -> dict:
+        return {"id": server.name, "object": "model", "created": server.created,
+                "owned_by": "rollwise", "max_model_len": server.max_context,
+                "policy_version": server.engine.version, "source": server.source,
+                "aliases": list(server.aliases)}
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [{
-            "id": server.name, "object": "model", "created": server.created,
-            "owned_by": "rollwise", "max_model_len": server.max_context,
-            "policy_version": server.engine.version, "source": server.source}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return card()
 
     _add_chat_route(app, server, auth)
     _add_completions_route(app, server, auth)
 
 
-def _add_chat_route(app: FastAPI, server: RolloutServer, auth: list) -> None:
+def _add_chat_route(app: FastAPI, server: ServerState, auth: list) -> None:
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatBody, request: Request):
         server.check_model(body.model)
-        if (why := body.unsupported()) is not None:
-            raise APIError(400, why)
+        server.refuse(body.refusal())
         prompt = render_chat(server.tokenizer, body.messages, body.tools, server.template)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = server.params(body, len(prompt), max_tokens, where="messages")
@@ -64,7 +69,7 @@ def _add_chat_route(app: FastAPI, server: RolloutServer, auth: list) -> None:
             return StreamingResponse(
                 _chat_stream(server, body, prompt, params, tools, call_id, episode, meta),
                 media_type="text/event-stream")
-        results = await _unless_gone(request, [
+        results = await unless_gone(request, [
             run_choice(server.driver, server.tokenizer, prompt, params,
                        sequence_seed(body.seed, k), body.stop_list()) for k in range(body.n)])
         choices = []
@@ -79,12 +84,11 @@ def _add_chat_route(app: FastAPI, server: RolloutServer, auth: list) -> None:
                 "usage": _usage(len(prompt), results)}
 
 
-def _add_completions_route(app: FastAPI, server: RolloutServer, auth: list) -> None:
+def _add_completions_route(app: FastAPI, server: ServerState, auth: list) -> None:
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionBody, request: Request):
         server.check_model(body.model)
-        if (why := body.unsupported()) is not None:
-            raise APIError(400, why)
+        server.refuse(body.refusal())
         prompts = _prompts(server, body.prompt)
         plist = [server.params(body, len(p), body.max_tokens,
                                where=f"prompt[{i}]" if len(prompts) > 1 else "prompt")
@@ -98,7 +102,7 @@ def _add_completions_route(app: FastAPI, server: RolloutServer, auth: list) -> N
             return StreamingResponse(
                 _completion_stream(server, body, prompts, plist, jobs, call_id, episode),
                 media_type="text/event-stream")
-        results = await _unless_gone(request, [
+        results = await unless_gone(request, [
             run_choice(server.driver, server.tokenizer, prompts[i], plist[i],
                        sequence_seed(body.seed, i * body.n + k), body.stop_list())
             for i, k in jobs])
@@ -123,7 +127,7 @@ def _sse_failure(e: EngineFailure) -> str:
     return _sse(error_body(str(e), kind)) + _sse("[DONE]")
 
 
-async def _unless_gone(request: Request, coros: list) -> list[ChoiceResult]:
+async def unless_gone(request: Request, coros: list) -> list[ChoiceResult]:
     """The choices' results; a client that hangs up meanwhile has its requests aborted
     (an agent that timed out does not keep the engine busy)."""
     work = asyncio.gather(*coros)
@@ -138,7 +142,7 @@ async def _unless_gone(request: Request, coros: list) -> list[ChoiceResult]:
             raise APIError(499, "client disconnected")
 
 
-def _prompts(server: RolloutServer, prompt) -> list[list[int]]:
+def _prompts(server: ServerState, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts = [server.encode_text(prompt)]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -164,7 +168,7 @@ def _chat_message(r: ChoiceResult, tools: bool) -> tuple[dict, str]:
     return message, "tool_calls" if calls else r.finish_reason
 
 
-def _completion_choice(server: RolloutServer, body: CompletionBody, idx: int,
+def _completion_choice(server: ServerState, body: CompletionBody, idx: int,
                        r: ChoiceResult) -> dict:
     lp = server.completion_logprobs(r.token_ids, r.logprobs) if body.logprobs is not None else None
     choice = {"index": idx, "text": r.text, "finish_reason": r.finish_reason, "logprobs": lp,
@@ -187,7 +191,7 @@ def _record(prompt, results: list[ChoiceResult], choices: list[dict]) -> dict:
         {"index": c["index"], **r.record()} for c, r in zip(choices, results)]}
 
 
-async def _fan_in(server: RolloutServer, specs: list[tuple], streamed: list[bool]):
+async def _fan_in(server: ServerState, specs: list[tuple], streamed: list[bool]):
     """Run choices concurrently; yield ("delta", k, delta) and ("done", k, result) events
     in arrival order. Cancelling the consumer aborts every choice."""
     events: asyncio.Queue = asyncio.Queue()
@@ -215,7 +219,7 @@ async def _fan_in(server: RolloutServer, specs: list[tuple], streamed: list[bool
             t.cancel()
 
 
-async def _chat_stream(server: RolloutServer, body: ChatBody, prompt: list[int],
+async def _chat_stream(server: ServerState, body: ChatBody, prompt: list[int],
                        params: SamplingParams, tools: bool, call_id: str, episode: str | None,
                        meta: dict) -> AsyncIterator[str]:
     created = int(time.time())
@@ -246,6 +250,8 @@ async def _chat_stream(server: RolloutServer, body: ChatBody, prompt: list[int],
         if tools:  # buffered: the whole reply at the end, tool calls parsed out of it
             message, finish = _chat_message(x, True)
             delta = {k2: v for k2, v in message.items() if k2 != "role"}
+            if "tool_calls" in delta:  # a streamed call says which call it continues
+                delta["tool_calls"] = [{"index": j} | c for j, c in enumerate(delta["tool_calls"])]
             ids = x.token_ids
             lp = server.chat_logprobs(x) if body.logprobs else None
         else:
@@ -259,7 +265,7 @@ async def _chat_stream(server: RolloutServer, body: ChatBody, prompt: list[int],
     yield _sse("[DONE]")
 
 
-async def _completion_stream(server: RolloutServer, body: CompletionBody,
+async def _completion_stream(server: ServerState, body: CompletionBody,
                              prompts: list[list[int]], plist: list[SamplingParams],
                              jobs: list[tuple[int, int]], call_id: str,
                              episode: str | None) -> AsyncIterator[str]:

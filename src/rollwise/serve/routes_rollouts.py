@@ -2,7 +2,7 @@
 delete the jobs) and /v1/episodes (the calls recorded under an episode id).
 
 Imports FastAPI, `serve.choices`, `serve.errors`, `serve.schemas`, `serve.text`;
-`RolloutServer` only for annotations.
+`serve.state` (`ServerState`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -18,20 +17,17 @@ from rollwise.engine.base import SamplingParams
 from rollwise.serve.choices import sequence_seed, start_sync
 from rollwise.serve.errors import APIError
 from rollwise.serve.schemas import RolloutBody
+from rollwise.serve.state import ServerState
 from rollwise.serve.text import render_chat
 
-if TYPE_CHECKING:
-    from rollwise.serve.server import RolloutServer
 
-
-def add_rollout_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
+def add_rollout_routes(app: FastAPI, server: ServerState, auth: list) -> None:
     """/v1/rollouts: submit a batch of episodes, list the jobs; and each job's own routes."""
 
     @app.post("/v1/rollouts", dependencies=auth)
     async def submit(body: RolloutBody):
         server.check_model(body.model)
-        if (why := body.unsupported()) is not None:
-            raise APIError(400, why)
+        server.refuse(body.refusal())
         if body.stream:
             raise APIError(400, "/v1/rollouts does not stream; poll GET /v1/rollouts/{id}",
                            param="stream")
@@ -59,7 +55,7 @@ def add_rollout_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
     _add_job_routes(app, server, auth)
 
 
-def _add_job_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
+def _add_job_routes(app: FastAPI, server: ServerState, auth: list) -> None:
     """/v1/rollouts/{job_id}: poll, cancel, delete one job."""
 
     def _job(job_id: str):
@@ -99,7 +95,7 @@ def _add_job_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
         return view
 
 
-def _episode_prompts(server: RolloutServer, body: RolloutBody
+def _episode_prompts(server: ServerState, body: RolloutBody
                      ) -> tuple[list[list[int]], list[SamplingParams]]:
     """Each episode's prompt ids (from its messages, text or token ids) and sampling params."""
     prompts, plist = [], []
@@ -118,7 +114,7 @@ def _episode_prompts(server: RolloutServer, body: RolloutBody
     return prompts, plist
 
 
-def add_episode_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
+def add_episode_routes(app: FastAPI, server: ServerState, auth: list) -> None:
     """/v1/episodes: the episode ids with recorded calls; one episode's calls, kept or taken."""
 
     @app.get("/v1/episodes", dependencies=auth)

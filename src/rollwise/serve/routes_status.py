@@ -1,22 +1,21 @@
-"""The status routes: /health (is the server up) and /v1/stats (the engine's counters, the
-pending sequences, the limits).
+"""The status routes: /health (is the server up), /v1/stats (the engine's counters, the
+pending sequences, the limits) and /metrics (Prometheus text, `serve/metrics.py`).
 
-Imports FastAPI; `RolloutServer` only for annotations.
+Imports FastAPI and prometheus_client; `serve.state` (`ServerState`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
-if TYPE_CHECKING:
-    from rollwise.serve.server import RolloutServer
+from rollwise.serve.state import ServerState
 
 
-def add_status_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
-    """/health (no key needed) and /v1/stats."""
+def add_status_routes(app: FastAPI, server: ServerState, auth: list) -> None:
+    """/health (no key needed), /v1/stats and /metrics."""
 
     @app.get("/health")
     async def health():
@@ -29,3 +28,7 @@ def add_status_routes(app: FastAPI, server: RolloutServer, auth: list) -> None:
                 "served_requests": server.served_requests,
                 "recorded_calls": server.episodes.calls,
                 "limits": dataclasses.asdict(server.limits), "max_context": server.max_context}
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics():
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)

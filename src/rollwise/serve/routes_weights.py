@@ -1,0 +1,137 @@
+"""The weight routes: POST /v1/weights/update (new weights from a folder of safetensors,
+while serving), GET /v1/weights (the version, whether an update runs) and GET /version.
+
+An update runs in phases, each bounded by the request's `timeout_s`:
+
+    load   the folder is read and checked against the model (names, shapes) off the engine
+           thread, while requests keep being served
+    pause  the engine's driver thread stops stepping at the next step boundary; with mode
+           "abort" the running requests are aborted (their tokens so far come back with
+           finish_reason "abort"), with "pause" they keep their KV cache and wait
+    load   the weights are written into the model's tensors in place, one at a time, and the
+           engine publishes `version` (a converted bfloat16/int8 copy is refreshed), so every
+           later token carries it
+    resume the driver steps again
+
+A failure in any phase is an error naming it (4xx: the folder; 504: out of time; 500: the
+engine), after which the server serves on with its old weights and version.
+
+Imports FastAPI, `serve.errors`, `serve.schemas`, `serve.weights`; `serve.state`
+(`ServerState`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+
+from fastapi import FastAPI
+
+from rollwise.serve.errors import APIError
+from rollwise.serve.schemas import WeightsBody
+from rollwise.serve.state import ServerState
+from rollwise.serve.weights import UpdateError
+
+
+def add_weight_routes(app: FastAPI, server: ServerState, auth: list) -> None:
+    lock = asyncio.Lock()
+
+    @app.post("/v1/weights/update", dependencies=auth)
+    async def update(body: WeightsBody):
+        if lock.locked():
+            raise APIError(409, "a weight update is already running; retry when GET "
+                           "/v1/weights says updating: false", param="path")
+        async with lock:
+            start = time.perf_counter()
+            try:
+                out = await _update(server, body)
+            except UpdateError as e:
+                server.metrics.weight_update(time.perf_counter() - start, ok=False)
+                kind = "server_error" if e.status >= 500 else "invalid_request_error"
+                raise APIError(e.status, f"weight update to version {body.version} failed in "
+                               f"phase {e}; still serving version {server.engine.version}",
+                               kind=kind, param="path") from None
+            server.metrics.weight_update(time.perf_counter() - start, ok=True)
+            return out
+
+    @app.get("/v1/weights", dependencies=auth)
+    async def weights():
+        return {"version": server.engine.version, "updating": lock.locked()}
+
+    @app.get("/version", dependencies=auth)
+    async def served_version():
+        return {"version": server.engine.version, "rollwise": _package_version(),
+                "model": server.name}
+
+
+async def _update(server: ServerState, body: WeightsBody) -> dict:
+    deadline = time.monotonic() + body.timeout_s
+    t0 = time.perf_counter()
+    staged = await _within(asyncio.to_thread(server.weights.stage, body.path), deadline, "load")
+    read_s = time.perf_counter() - t0
+    gate = _Gate()
+    queued = time.perf_counter()
+
+    def paused(engine) -> tuple[int, float, float, float]:
+        """On the driver thread, between steps: (aborted, pause_s, load_s, when done)."""
+        aborted = server.driver.abort_live() if body.mode == "abort" else 0
+        loading = time.perf_counter()
+        server.weights.apply(staged, deadline)
+        engine.publish(body.version)
+        done = time.perf_counter()
+        return aborted, loading - queued, done - loading, done
+
+    fut = asyncio.wrap_future(server.driver.call(gate.guard(paused)))
+    try:
+        aborted, pause_s, load_s, done = await asyncio.wait_for(
+            asyncio.shield(fut), max(deadline - time.monotonic(), 0))
+    except TimeoutError:
+        if gate.cancel():
+            raise UpdateError("pause", f"the engine did not reach a step boundary within "
+                              f"timeout_s={body.timeout_s}", status=504) from None
+        aborted, pause_s, load_s, done = await fut  # writing: it stops at the deadline itself
+    return {"version": server.engine.version, "aborted": aborted,
+            "phases": {"read_s": read_s, "pause_s": pause_s, "load_s": load_s,
+                       "resume_s": time.perf_counter() - done}}
+
+
+async def _within(work, deadline: float, phase: str):
+    """`work` awaited until `deadline`; past it an UpdateError naming `phase` (the work's
+    thread finishes on its own; its result is dropped)."""
+    try:
+        return await asyncio.wait_for(work, max(deadline - time.monotonic(), 0))
+    except TimeoutError:
+        raise UpdateError(phase, "timed out reading the folder", status=504) from None
+
+
+class _Gate:
+    """A command for the driver thread that the waiter can withdraw until it starts."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._state = "queued"  # -> "started" (the driver runs it) | "cancelled"
+
+    def cancel(self) -> bool:
+        with self._lock:
+            if self._state == "queued":
+                self._state = "cancelled"
+            return self._state == "cancelled"
+
+    def guard(self, fn):
+        def run(engine):
+            with self._lock:
+                if self._state == "cancelled":
+                    return None
+                self._state = "started"
+            return fn(engine)
+        return run
+
+
+def _package_version() -> str:
+    try:
+        return package_version("rollwise")
+    except PackageNotFoundError:
+        return "unknown"
