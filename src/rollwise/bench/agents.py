@@ -21,7 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import typer
+
 from rollwise.bench.alloc import summarise, train_one
+from rollwise.bench.common import print_table, save_results, say
 
 SIDES = ("gigpo", "grpo")
 
@@ -92,3 +95,20 @@ def run(model: str = "tiny", seeds: tuple[int, ...] = (0, 1), steps: int = 60,
                 [x for x in ratios if x]) if any(ratios) else None,
             "curves": {"held-out success vs episodes": {"x": "episodes", "y": "greedy success",
                                                         "series": curves}}}
+
+
+def command(*, model: str, json: Path | None, seeds: int, steps: int, eval_every: int,
+            target: float | None, target_frac: float, set_: list[str] | None, threads: int) -> None:
+    """`rollwise bench agents`: run it, print the tables, write `json` (and its page)."""
+    data = run(model, seeds=tuple(range(seeds)), steps=steps, eval_every=eval_every,
+               target=target, target_frac=target_frac,
+               extra=[f"run.threads={threads}", *(set_ or [])], progress=say)
+    print_table(f"GiGPO vs GRPO on guess-the-number: {model}, targets "
+                f"{data['targets_per_seed']}", data["estimators"],
+                ["estimator", "per_seed_episodes_to_target", "per_seed_tokens_to_target",
+                 "per_seed_seconds_to_target", "seeds_reaching_target", "final_success",
+                 "best_success"])
+    typer.echo(f"GRPO episodes / GiGPO episodes to target, per seed: "
+               f"{data['grpo_over_gigpo_episodes']} (median "
+               f"{data['median_grpo_over_gigpo_episodes']})")
+    save_results(data, json)

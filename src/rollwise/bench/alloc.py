@@ -20,6 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import typer
+
+from rollwise.bench.common import print_table, save_results, say
+
 DEFAULT_ALLOCATORS = ("uniform", "dynamic", "thompson", "pilot_commit", "dars", "vcrl", "gdro",
                       "aero", "xrpo", "hive")
 
@@ -152,3 +156,25 @@ def _curves(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
     return {"held-out accuracy vs rollouts": {"x": "rollouts", "y": "greedy accuracy",
                                               "series": acc},
             "zero-advantage group fraction": {"x": "step", "y": "fraction", "series": zero}}
+
+
+def command(*, model: str, json: Path | None, allocator: list[str] | None, seeds: int, steps: int,
+            eval_every: int, target: float | None, target_frac: float, set_: list[str] | None,
+            threads: int) -> None:
+    """`rollwise bench alloc`: run it, print the tables, write `json` (and its page)."""
+    from rollwise.control import ALLOCATORS
+
+    unknown = [a for a in allocator or [] if a not in ALLOCATORS]
+    if unknown:
+        raise typer.BadParameter(f"unknown allocator {unknown[0]!r}; "
+                                 f"available: {', '.join(ALLOCATORS)}")
+    data = run(model, allocators=tuple(allocator or DEFAULT_ALLOCATORS),
+               seeds=tuple(range(seeds)), steps=steps, eval_every=eval_every, target=target,
+               target_frac=target_frac, extra=[f"run.threads={threads}", *(set_ or [])],
+               progress=say)
+    print_table(f"B4 allocation: {model}, target accuracy {data['target']:.3f}",
+                data["allocators"],
+                ["allocator", "rollouts_to_target", "rollouts_speedup", "tokens_to_target",
+                 "seconds_to_target", "final_accuracy", "zero_adv_frac", "zero_adv_frac_trained",
+                 "rollouts_per_step"])
+    save_results(data, json)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import typer
 
 
 def load_workload(model: str, num_prompts: int, seed: int = 0, device: str = "cpu",
@@ -140,3 +141,15 @@ def write_results(data: dict, json_path: Path | None) -> Path | None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(data, indent=2))
     return write_bench_report(json_path)
+
+
+def save_results(data: dict, json_path: Path | None) -> None:
+    """`write_results`, then say where the JSON and its page went."""
+    page = write_results(data, json_path)
+    if page:
+        typer.echo(f"wrote {json_path} and {page}")
+
+
+def say(message: str) -> None:
+    """A progress line on stderr (the tables go to stdout)."""
+    typer.echo(f"  {message}", err=True)

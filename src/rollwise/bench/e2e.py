@@ -35,6 +35,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import typer
+
+from rollwise.bench.common import print_table, save_results, say
 from rollwise.bench.sides import (  # noqa: F401 (re-exported: the benchmark's public names)
     PHASES,
     Side,
@@ -228,3 +231,55 @@ def compare_runs(run_dirs: list[Path]) -> dict[str, Any]:
                    for n, recs in runs.items()}}
     return {"benchmark": "run comparison", "runs": rows, "curves": curves,
             "machine": machine()}
+
+
+def command(*, configs: list[Path] | None, json: Path | None, part: list[str] | None, steps: int,
+            warmup: int, accuracy_steps: int | None, eval_every: int | None, target: float | None,
+            target_frac: float, set_: list[str] | None, baseline_set: list[str] | None,
+            best_set: list[str] | None, precision: bool, vs: str | None, trl_set: list[str] | None,
+            no_baseline: bool) -> None:
+    """`rollwise bench e2e`: run it, print the tables, write `json` (and its page)."""
+    from rollwise.compose.config import parse_value
+
+    if vs not in (None, "trl"):
+        raise typer.BadParameter(f"--vs {vs!r}: only 'trl' is supported")
+    parts = tuple(part or ("steps", "accuracy"))
+    bad = [p for p in parts if p not in ("steps", "accuracy")]
+    if bad:
+        raise typer.BadParameter(f"--part {bad[0]!r}: use steps or accuracy")
+    variants = {"baseline": tuple(baseline_set) if baseline_set is not None else BASELINE,
+                "best": tuple(best_set or ())}
+    if precision:
+        variants = dict(PRECISIONS)
+    elif no_baseline:
+        variants.pop("baseline")
+    trl_options = {k.strip(): parse_value(v.strip())
+                   for k, v in (item.split("=", 1) for item in trl_set or [])}
+    paths = configs or [Path("configs/tiny_arith.toml"), Path("configs/quickstart.toml")]
+    data = run(paths, parts=parts, variants=variants, steps=steps, warmup=warmup,
+               accuracy_steps=accuracy_steps, eval_every=eval_every, target=target,
+               target_frac=target_frac, extra=list(set_ or []), vs_trl=vs == "trl",
+               trl_options=trl_options, progress=say)
+    for s in data["step_split"]:
+        print_table(f"B3 step time: {s['config']} (median of {steps} steps)", s["variants"],
+                    ["variant", "step_s", "rollout_s", "reward_s", "train_s", "other_s",
+                     "tokens_per_step", "rows_trained_per_step", "rows_skipped_per_step"])
+        for name, r in s["ratios"].items():
+            typer.echo(f"{name}: " + ", ".join(
+                f"{k} {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
+                for k, v in r.items() if v))
+    for a in data["time_to_accuracy"]:
+        print_table(f"B3 time to {a['target']:.3f} held-out accuracy: {a['config']}",
+                    a["variants"], ["variant", "accuracy_before", "final_accuracy",
+                                    "best_accuracy", "seconds_to_target", "rollouts_to_target",
+                                    "tokens_to_target", "seconds_speedup", "train_seconds"])
+    save_results(data, json)
+
+
+def compare_command(*, runs: list[Path], json: Path | None) -> None:
+    """`rollwise bench compare`: run it, print the tables, write `json` (and its page)."""
+    data = compare_runs(runs)
+    print_table("runs compared", data["runs"],
+                ["run", "accuracy_before", "accuracy_after", "best_accuracy", "train_seconds",
+                 "rollout_s", "train_s", "publish_s", "kl", "weight_mean", "clipped_frac"])
+    save_results(data, json)

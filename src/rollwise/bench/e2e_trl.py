@@ -112,6 +112,17 @@ def _trl_model(cfg, stages):
     return model.train(), stages.policy.tokenizer
 
 
+def _trl_trainer(cfg, stages, out: Path, rounds: int, trl_options: dict[str, Any]):
+    """TRL's GRPOTrainer on the same model, task, rewards and learner precision as `stages`."""
+    from trl import GRPOTrainer
+
+    model, tokenizer = _trl_model(cfg, stages)
+    return GRPOTrainer(model=model, reward_funcs=trl_reward(stages),
+                       args=trl_config(cfg, out, rounds, trl_options,
+                                       stages.info.precision["learner"]),
+                       train_dataset=trl_dataset(stages), processing_class=tokenizer)
+
+
 def run_vs_trl(path: Path, variants: dict[str, tuple[str, ...]], *, steps: int = 5,
                warmup: int = 1, extra: list[str] | None = None, out: Path,
                trl_options: dict[str, Any] | None = None,
@@ -120,17 +131,12 @@ def run_vs_trl(path: Path, variants: dict[str, tuple[str, ...]], *, steps: int =
     if not available():
         raise RuntimeError("--vs trl needs TRL: pip install 'rollwise[trl]' (or pip install trl)")
     from transformers import TrainerCallback
-    from trl import GRPOTrainer
 
     rounds = warmup + steps
     sides = [Side.build(name, variant_config(path, name, ov, out, extra, num_steps=rounds))
              for name, ov in variants.items()]
-    cfg = variant_config(path, "trl", (), out, extra, num_steps=rounds)
-    model, tokenizer = _trl_model(cfg, sides[0].stages)
-    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(sides[0].stages),
-                          args=trl_config(cfg, out, rounds, trl_options or {},
-                                          sides[0].stages.info.precision["learner"]),
-                          train_dataset=trl_dataset(sides[0].stages), processing_class=tokenizer)
+    trainer = _trl_trainer(variant_config(path, "trl", (), out, extra, num_steps=rounds),
+                           sides[0].stages, out, rounds, trl_options or {})
     gen, prep = [], []
     _timed(trainer, "_generate", gen)
     _timed(trainer, "_generate_and_score_completions", prep)

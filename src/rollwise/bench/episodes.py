@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import typer
+
+from rollwise.bench.common import print_table, save_results, say
+
 SIDES = ("kept", "recomputed")
 
 
@@ -31,8 +35,8 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: li
         build_sampling,
         build_task,
     )
-    from rollwise.system.runtime import configure as configure_runtime
     from rollwise.pipeline.stages import encode_prompts
+    from rollwise.system.runtime import configure as configure_runtime
 
     cfg = load_config(config, list(overrides or []))
     configure_runtime(cfg.run.threads)
@@ -58,27 +62,12 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: li
             groups, figures, counts = runner.run(batch)
             wall = time.perf_counter() - start
             tokens[side] = [t.response_ids for g in groups for t in g.trajectories]
-            per_side[side].append({
-                "seconds": wall, "episodes": counts.episodes, "turns": counts.turns,
-                "prompt_tokens": counts.prompt_tokens, "prefill_tokens": counts.prefill_tokens,
-                "kv_reused_tokens": counts.kv_reused_tokens,
-                "reusable_tokens": counts.prefix_reuse_tokens,
-                "generated_tokens": figures.generated_tokens,
-                "forward_passes": figures.forward_passes,
-                "prefill_seconds": engine.stats.prefill_seconds})
+            per_side[side].append(_round_figures(wall, counts, figures, engine))
             progress(f"round {k + 1}/{rounds} {side}: {wall:.1f} s, prefill "
                      f"{counts.prefill_tokens} of {counts.prompt_tokens} prompt tokens")
         same += sum(a == b for a, b in zip(tokens["kept"], tokens["recomputed"]))
         total += len(tokens["kept"])
-    rows = []
-    for side in SIDES:
-        runs = per_side[side]
-        row = {"side": side, **{key: sum(x[key] for x in runs) for key in (
-            "episodes", "turns", "prompt_tokens", "prefill_tokens", "kv_reused_tokens",
-            "reusable_tokens", "generated_tokens", "forward_passes")}}
-        row["median_seconds"] = statistics.median(x["seconds"] for x in runs)
-        row["median_prefill_seconds"] = statistics.median(x["prefill_seconds"] for x in runs)
-        rows.append(row)
+    rows = [_side_row(side, per_side[side]) for side in SIDES]
     ratios = [b["seconds"] / a["seconds"] for a, b in zip(per_side["kept"], per_side["recomputed"])]
     prefill = [b["prefill_seconds"] / max(a["prefill_seconds"], 1e-9)
                for a, b in zip(per_side["kept"], per_side["recomputed"])]
@@ -90,3 +79,43 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: li
             "recomputed_over_kept_seconds": ratios,
             "median_recomputed_over_kept_seconds": statistics.median(ratios),
             "median_recomputed_over_kept_prefill_seconds": statistics.median(prefill)}
+
+
+def _round_figures(wall: float, counts, figures, engine) -> dict[str, float]:
+    """One side's figures of one round: its seconds, episode counts and engine work."""
+    return {"seconds": wall, "episodes": counts.episodes, "turns": counts.turns,
+            "prompt_tokens": counts.prompt_tokens, "prefill_tokens": counts.prefill_tokens,
+            "kv_reused_tokens": counts.kv_reused_tokens,
+            "reusable_tokens": counts.prefix_reuse_tokens,
+            "generated_tokens": figures.generated_tokens,
+            "forward_passes": figures.forward_passes,
+            "prefill_seconds": engine.stats.prefill_seconds}
+
+
+def _side_row(side: str, runs: list[dict[str, float]]) -> dict[str, Any]:
+    """A side's table row: counts summed over rounds, seconds as medians."""
+    row = {"side": side, **{key: sum(x[key] for x in runs) for key in (
+        "episodes", "turns", "prompt_tokens", "prefill_tokens", "kv_reused_tokens",
+        "reusable_tokens", "generated_tokens", "forward_passes")}}
+    row["median_seconds"] = statistics.median(x["seconds"] for x in runs)
+    row["median_prefill_seconds"] = statistics.median(x["prefill_seconds"] for x in runs)
+    return row
+
+
+def command(*, config: Path | None, json: Path | None, rounds: int, prompts: int,
+            set_: list[str] | None, threads: int) -> None:
+    """`rollwise bench episodes`: run it, print the tables, write `json` (and its page)."""
+    overrides = [] if config else ["task.name='guess'", "task.options={high=8, max_guesses=4}",
+                                   "episodes.max_turns=4", "rollout.max_tokens=4"]
+    data = run(config, rounds=rounds, prompts=prompts, progress=say,
+               overrides=[*overrides, f"run.threads={threads}", *(set_ or [])])
+    print_table(f"Kept KV cache vs recomputed history: {data['model']}, {data['task']}, "
+                f"{data['rollout_dtype']}", data["sides"],
+                ["side", "episodes", "turns", "prompt_tokens", "prefill_tokens",
+                 "kv_reused_tokens", "generated_tokens", "forward_passes", "median_seconds",
+                 "median_prefill_seconds"])
+    typer.echo(f"recomputed / kept wall time: {data['median_recomputed_over_kept_seconds']:.2f}x "
+               f"(median of {rounds}); prefill time "
+               f"{data['median_recomputed_over_kept_prefill_seconds']:.2f}x; same episodes "
+               f"{data['same_episodes']}")
+    save_results(data, json)

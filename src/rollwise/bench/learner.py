@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import typer
 
-from rollwise.bench.common import load_workload, median, synchronize
+from rollwise.bench.common import load_workload, median, print_table, save_results, say, synchronize
 from rollwise.system.runtime import rss_peak, trim_heap
 
 VARIANTS: dict[str, tuple[str, str, bool]] = {  # name: (precision, correction, share prompts)
@@ -120,3 +122,25 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
             "response_tokens": int(batch.loss_mask.sum()), "reps": reps,
             "threads": torch.get_num_threads(), "device": device, "variants": rows,
             "phases": phases, "reward_mean": reward, "per_rep": times}
+
+
+def command(*, model: str, json: Path | None, reps: int, threads: int, variant: list[str] | None,
+            device: str) -> None:
+    """`rollwise bench learner`: run it, print the tables, write `json` (and its page)."""
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
+
+    require_device(device)
+    configure(threads)
+    variants = tuple(variant or VARIANTS)
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise typer.BadParameter(f"unknown variant(s) {bad}; known: {', '.join(VARIANTS)}")
+    data = run(model, reps=reps, variants=variants, device=device, progress=say)
+    print_table(f"learner update: {model}, {data['rows']} rows, {data['tokens']} tokens, "
+                f"{data['threads']} threads", data["variants"],
+                ["variant", "update_s", "min_s", "max_s", "speedup_vs_float32", "peak_rss_mb",
+                 "added_rss_mb"])
+    print_table("peak resident set per phase (MiB)", data["phases"],
+                ["phase", "peak_rss_mb", "added_rss_mb"])
+    save_results(data, json)

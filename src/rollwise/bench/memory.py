@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import typer
+
+from rollwise.bench.common import print_table, save_results, say
 
 SHAPES_DIR = Path(__file__).resolve().parents[3] / "configs" / "shapes"  # the source checkout's
 
@@ -156,3 +159,24 @@ if __name__ == "__main__":
         torch.set_num_threads(opts["threads"])
     opts.pop("threads", None)
     print(json.dumps(case(**opts)))
+
+
+def command(*, json: Path | None, shape: list[str] | None, kind: list[str] | None, precision: str,
+            checkpointing: bool, response_len: int, steps: int, threads: int) -> None:
+    """`rollwise bench memory`: run it, print the tables, write `json` (and its page)."""
+    from rollwise.system.runtime import configure
+
+    threads = configure(threads)
+    bad = [k for k in kind or [] if k not in ("full", "lora")]
+    if bad:
+        raise typer.BadParameter(f"unknown kind(s) {bad}; known: full, lora")
+    data = run(tuple(shape or ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b")),
+               tuple(kind or ("full", "lora")), progress=say, precision=precision,
+               checkpointing=checkpointing, response_len=response_len, steps=steps,
+               threads=threads)
+    for row in data["rows"]:
+        row["peak_rss_gib"] = row["peak_rss_mb"] / 1024 if "peak_rss_mb" in row else None
+    print_table(f"learner memory: {precision}, {threads} threads", data["rows"],
+                ["shape", "kind", "params_m", "trained_m", "tokens", "peak_rss_gib",
+                 "weights_mb", "grads_mb", "adamw_mb", "update_s", "error"])
+    save_results(data, json)

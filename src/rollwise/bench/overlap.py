@@ -32,6 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import typer
+
+from rollwise.bench.common import print_table, save_results, say
 from rollwise.bench.sides import variant_config
 
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -166,3 +169,24 @@ def scaling_table(rollout_s: float, train_s: float, weight_bytes: float, *,
                      "sync_learner_util": train_s / sync,
                      "async_learner_util": train_s / overlapped})
     return rows
+
+
+def command(*, configs: list[Path] | None, json: Path | None, steps: int, warmup: int,
+            variant: list[str] | None, cpus: int, set_: list[str] | None) -> None:
+    """`rollwise bench async`: run it, print the tables, write `json` (and its page)."""
+    names = tuple(variant or VARIANTS)
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise typer.BadParameter(f"unknown variant {bad[0]!r}; known: "
+                                 f"{', '.join(VARIANTS)}")
+    paths = configs or [Path("configs/tiny_arith.toml"), Path("configs/quickstart.toml")]
+    data = run(paths, variants={n: VARIANTS[n] for n in names}, steps=steps,
+               warmup=warmup, extra=list(set_ or []), num_cpus=cpus or None,
+               progress=say)
+    for r in data["results"]:
+        print_table(f"async: {r['config']} ({steps} steps, {warmup} warm-up)", r["variants"],
+                    ["variant", "step_s", "rollout_s", "train_s", "wait_s", "rollout_busy",
+                     "learner_busy", "stale_frac", "stale_dropped", "trajectories", "tokens",
+                     "accuracy"])
+        typer.echo(", ".join(f"{k} {v:.3f}" for k, v in r["derived"].items()))
+    save_results(data, json)

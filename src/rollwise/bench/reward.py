@@ -15,7 +15,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import typer
+
+from rollwise.bench.common import print_table, save_results, say
 
 TARGET_MEAN_MS = 50.0
 
@@ -28,7 +33,6 @@ def run(executions: int = 40, reps: int = 3, levels: tuple[str, ...] = (),
         SandboxLimits,
         detect_isolation,
         isolation_info,
-        run_tests,
     )
     from rollwise.tasks import make_task
     from rollwise.tasks.code import program_of
@@ -46,6 +50,31 @@ def run(executions: int = 40, reps: int = 3, levels: tuple[str, ...] = (),
     programs = [(program_of(s.reference, s), s.meta["tests"], s.meta["entry_point"])
                 for s in task.eval]
     limits = SandboxLimits()
+    times, per_rep, counts = _time_levels(works, programs, limits, reps, progress)
+    results = []
+    base = "rlimits" if "rlimits" in works else works[0]
+    for level in works:
+        ms = sorted(1000 * t for t in times[level])
+        ratio = statistics.median(a / b for a, b in zip(per_rep[level], per_rep[base]))
+        results.append({"isolation": level, "mean_ms": statistics.fmean(ms),
+                        "median_ms": statistics.median(ms),
+                        "p95_ms": ms[min(len(ms) - 1, int(0.95 * len(ms)))],
+                        f"over_{base}": ratio, **counts[level],
+                        "default": level == detected,
+                        "meets_target": statistics.fmean(ms) <= TARGET_MEAN_MS,
+                        "layers": "; ".join(isolation_info(level)["layers"])})
+    return {"benchmark": "reward", "executions_per_rep": executions, "reps": reps,
+            "target_mean_ms": TARGET_MEAN_MS, "limits": limits.__dict__,
+            "detected": isolation_info(), "results": results}
+
+
+def _time_levels(works: list[str], programs: list[tuple[str, str, str]], limits, reps: int,
+                 progress: Callable[[str], None] | None
+                 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, dict]]:
+    """Run every program under each level, the order alternating per repetition: seconds per
+    execution, mean seconds per repetition, and executions/tests/passed, per level."""
+    from rollwise.rewards.sandbox import run_tests
+
     times: dict[str, list[float]] = {lvl: [] for lvl in works}
     per_rep: dict[str, list[float]] = {lvl: [] for lvl in works}
     counts = {lvl: {"executions": 0, "tests": 0, "passed": 0} for lvl in works}
@@ -66,18 +95,16 @@ def run(executions: int = 40, reps: int = 3, levels: tuple[str, ...] = (),
             if progress:
                 progress(f"rep {rep + 1}/{reps} {level}: mean "
                          f"{1000 * statistics.fmean(batch):.1f} ms")
-    results = []
-    base = "rlimits" if "rlimits" in works else works[0]
-    for level in works:
-        ms = sorted(1000 * t for t in times[level])
-        ratio = statistics.median(a / b for a, b in zip(per_rep[level], per_rep[base]))
-        results.append({"isolation": level, "mean_ms": statistics.fmean(ms),
-                        "median_ms": statistics.median(ms),
-                        "p95_ms": ms[min(len(ms) - 1, int(0.95 * len(ms)))],
-                        f"over_{base}": ratio, **counts[level],
-                        "default": level == detected,
-                        "meets_target": statistics.fmean(ms) <= TARGET_MEAN_MS,
-                        "layers": "; ".join(isolation_info(level)["layers"])})
-    return {"benchmark": "reward", "executions_per_rep": executions, "reps": reps,
-            "target_mean_ms": TARGET_MEAN_MS, "limits": limits.__dict__,
-            "detected": isolation_info(), "results": results}
+    return times, per_rep, counts
+
+
+def command(*, json: Path | None, executions: int, reps: int, isolation: list[str] | None) -> None:
+    """`rollwise bench reward`: run it, print the tables, write `json` (and its page)."""
+    data = run(executions=executions, reps=reps, levels=tuple(isolation or ()),
+               progress=say)
+    base = next(k for k in data["results"][0] if k.startswith("over_"))
+    print_table(f"sandbox cost per execution (target mean <= {data['target_mean_ms']:g} ms)",
+                data["results"], ["isolation", "mean_ms", "median_ms", "p95_ms", base,
+                                  "executions", "tests", "passed", "default", "meets_target"])
+    typer.echo(f"detected here: {data['detected']['isolation']}")
+    save_results(data, json)

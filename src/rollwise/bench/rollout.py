@@ -19,9 +19,11 @@ import copy
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
+import typer
 
 from rollwise.bench.common import (
     dispatches_per_call,
@@ -29,6 +31,9 @@ from rollwise.bench.common import (
     matmul_peak_gflops,
     median,
     percentile,
+    print_table,
+    save_results,
+    say,
 )
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.engine.hf import HFEngine
@@ -170,23 +175,16 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
         auto = resolve("auto", "float32", "none", shapes=ModelShapes.of(policy.model),
                        device=device).rollout
         dtypes = tuple(dict.fromkeys(auto if d == "auto" else d for d in dtypes))
-    natives: dict[str, tuple[str, str, NativeEngine]] = {}  # side -> (dtype, mode, engine)
-    for d in dtypes:
-        for m in step_modes:
-            side = f"native-{d}" if len(step_modes) == 1 else f"native-{d}-{m}"
-            natives[side] = (d, m, NativeEngine(
-                policy.model, dtype=getattr(torch, d), device=device, step_mode=m,
-                eos_token_ids=policy.stop_ids, max_num_seqs=max(prompts * n, fixed_batch)))
+    natives = _native_engines(policy, dtypes, step_modes, device, max(prompts * n, fixed_batch))
     hf = HFEngine(policy.model, pad_token_id=policy.tokenizer.pad_token_id,
                   eos_token_ids=policy.stop_ids, batch_size=hf_batch)
     params_count = sum(p.numel() for p in policy.model.parameters())
-    specs = {
+    specs = {  # the natural workload: its prompts, EOS ends; the fixed one: exact lengths
         "natural": (ids[:prompts], SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens,
                                                   seed=seed)),
         "fixed": (ids[: max(1, fixed_batch // n)],
                   SamplingParams(n=n, temperature=1.0, max_tokens=fixed_tokens,
-                                 ignore_eos=True, seed=seed)),
-    }
+                                 ignore_eos=True, seed=seed))}
     peaks = {d: matmul_peak_gflops(getattr(torch, d), device=device)
              for d in dict.fromkeys(("float32", *dtypes))}
     for _, _, engine in natives.values():  # untimed: graph capture, compilation, caches
@@ -205,10 +203,7 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
             row = _summarise(side, w, runs[side], params_count, peaks[d]) | {
                 "dtype": d, "step_mode": engine.decode_step.mode}
             if w == "fixed":
-                count, what, busy = _decode_dispatches(engine, *specs["fixed"])
-                row |= {"dispatches_per_step": count, "dispatches": what}
-                if not math.isnan(busy):  # measured (GPU)
-                    row["device_busy_frac"] = busy
+                row |= _dispatch_figures(engine, *specs["fixed"])
             rows.append(row)
             ratios.append({"workload": w} | _side_ratios(side, natives, runs, baseline))
     by_dtype = {d: e for _, (d, _, e) in reversed(natives.items())}  # first mode of each
@@ -219,6 +214,29 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
             "publish_seconds": {d: e.decoder.refresh() for d, e in by_dtype.items()},
             "checks": _checks(policy, by_dtype, hf, ids[:8])}
 
+
+
+def _dispatch_figures(engine: NativeEngine, prompt_ids, params: SamplingParams) -> dict:
+    """The decode step's kernels (GPU) or aten ops (CPU) per step, and the GPU's busy
+    fraction where it was measured."""
+    count, what, busy = _decode_dispatches(engine, prompt_ids, params)
+    row = {"dispatches_per_step": count, "dispatches": what}
+    if not math.isnan(busy):  # measured (GPU)
+        row["device_busy_frac"] = busy
+    return row
+
+
+def _native_engines(policy, dtypes: tuple[str, ...], step_modes: tuple[str, ...], device: str,
+                    max_num_seqs: int) -> dict[str, tuple[str, str, NativeEngine]]:
+    """One native engine per dtype and step mode: side name -> (dtype, mode, engine)."""
+    natives = {}
+    for d in dtypes:
+        for m in step_modes:
+            side = f"native-{d}" if len(step_modes) == 1 else f"native-{d}-{m}"
+            natives[side] = (d, m, NativeEngine(
+                policy.model, dtype=getattr(torch, d), device=device, step_mode=m,
+                eos_token_ids=policy.stop_ids, max_num_seqs=max_num_seqs))
+    return natives
 
 def _alternate(engines: dict, sides: list[str], prompt_ids, params: SamplingParams, reps: int,
                seed: int, progress) -> dict[str, list[dict]]:
@@ -258,3 +276,47 @@ def _ratio(base: list[dict], side: list[dict], name: str, per_rep_name: str) -> 
     per_rep = [(b["generated_tokens"] / b["wall_s"]) / (a["generated_tokens"] / a["wall_s"])
                for a, b in zip(base, side)]
     return {name: median(per_rep), per_rep_name: per_rep}
+
+
+def command(*, model: str, json: Path | None, prompts: int, n: int, max_tokens: int,
+            fixed_batch: int, fixed_tokens: int, reps: int, dtype: list[str] | None,
+            workload: list[str] | None, device: str, step_mode: list[str] | None, baseline: bool,
+            threads: int) -> None:
+    """`rollwise bench rollout`: run it, print the tables, write `json` (and its page)."""
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
+
+    require_device(device)
+    configure(threads)
+    data = run(model, prompts=prompts, n=n, max_tokens=max_tokens, fixed_batch=fixed_batch,
+               fixed_tokens=fixed_tokens, reps=reps, dtypes=tuple(dtype or ("float32",)),
+               device=device, step_modes=tuple(step_mode or ("auto",)), baseline=baseline,
+               workloads=tuple(workload or ("natural", "fixed")), progress=say)
+    print_table(f"B1 rollout throughput: {model}, {data['threads']} threads", data["results"],
+                ["workload", "engine", "tokens_per_s", "wall_s", "generated_tokens",
+                 "forward_passes", "decode_step_ms", "dispatches_per_step", "latency_p50_s",
+                 "latency_p99_s", "slot_waste", "roofline", "decode_roofline"])
+    if data.get("auto_dtype"):
+        typer.echo(f"auto = {data['auto_dtype']} on this machine")
+    for r in data["results"]:
+        if r.get("dispatches"):
+            busy = (f"; GPU busy {r['device_busy_frac']:.0%}" if "device_busy_frac" in r
+                    else "")
+            typer.echo(f"{r['engine']}: {r['dispatches_per_step']:.0f} {r['dispatches']} per "
+                       f"decode step at batch {fixed_batch}; {r['decode_step_ms']:.2f} ms a "
+                       f"step{busy}")
+    for r in data["ratios"]:
+        vs32 = (f"; / native float32 = {r['over_native_float32']:.2f}x"
+                if "over_native_float32" in r else "")
+        vs32 += "".join(f"; / {k[5:-5]} mode = {v:.2f}x" for k, v in r.items()
+                        if k.startswith("over_") and k.endswith("_mode"))
+        vs_hf = (f" / hf tokens/s = {r['native_over_hf_tokens_per_s']:.2f}x"
+                 if "native_over_hf_tokens_per_s" in r else "")
+        typer.echo(f"{r['workload']}: {r['engine']}{vs_hf}{vs32} (median of {reps})")
+    c = data["checks"]
+    for d in data["dtypes"]:
+        typer.echo(f"checks {d}: greedy identical to float32 generate on "
+                   f"{c[f'greedy_identical_{d}']:.0%} of {c['greedy_prompts']} prompts; |log-prob "
+                   f"error| vs a {'float32' if d == 'int8' else d} forward: max {c[f'max_logprob_error_{d}']:.2e}, mean "
+                   f"{c[f'mean_logprob_error_{d}']:.2e}; publish {data['publish_seconds'][d]:.3f}s")
+    save_results(data, json)

@@ -16,10 +16,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import typer
 
-from rollwise.bench.common import load_workload, median
+from rollwise.bench.common import load_workload, median, print_table, save_results, say
 
 
 def _server_side(url: str, name: str, prompts: list[list[int]], clients: int, max_tokens: int,
@@ -124,3 +126,24 @@ def _row(side: str, clients: int, rep: int, wall: float, requests: int, tokens: 
             "requests_per_s": requests / wall, "tokens_per_s": tokens / wall,
             "tokens": tokens, "forward_passes": passes,
             "rows_per_pass": row_forwards / passes if passes else 0.0, "errors": errors}
+
+
+def command(*, model: str, json: Path | None, prompts: int, clients: list[int] | None,
+            max_tokens: int, reps: int, natural: bool, device: str, threads: int) -> None:
+    """`rollwise bench serve`: run it, print the tables, write `json` (and its page)."""
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
+
+    require_device(device)
+    configure(threads)
+    data = run(model, prompts=prompts, clients=tuple(clients or (8, 32)),
+               max_tokens=max_tokens, reps=reps, ignore_eos=not natural, device=device,
+               progress=say)
+    print_table(f"serve: {model}, {prompts} prompts x {max_tokens} tokens, "
+                f"{data['threads']} threads (median of {reps})", data["results"],
+                ["side", "clients", "requests_per_s", "tokens_per_s", "wall_s", "tokens",
+                 "forward_passes", "rows_per_pass", "errors"])
+    for r in data["ratios"]:
+        typer.echo(f"{r['clients']} clients: server / engine tokens/s = "
+                   f"{r['server_over_engine_tokens_per_s']:.2f}x (median of {len(r['per_rep'])})")
+    save_results(data, json)

@@ -12,11 +12,12 @@ responses and a few optimizer steps that change the policy as training would in 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from rollwise.bench.common import load_workload, median
+from rollwise.bench.common import load_workload, median, print_table, save_results, say
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.models.tiny import teacher_forced_batch
 from rollwise.rollout import RolloutFigures
@@ -180,3 +181,24 @@ def _median_row(rows: list[dict]) -> dict:
 
 def replace_none(row: dict) -> dict:
     return {k: v for k, v in row.items() if v is not None}
+
+
+def command(*, model: str, json: Path | None, groups: int, n: int, steps: int, slots: int,
+            chunk_tokens: int, reps: int, strategy: list[str] | None, lenience: float,
+            shift_steps: int, device: str, threads: int) -> None:
+    """`rollwise bench tail`: run it, print the tables, write `json` (and its page)."""
+    from rollwise.compose.preflight import require_device
+    from rollwise.system.runtime import configure
+
+    require_device(device)
+    configure(threads)
+    data = run(model, groups=groups, n=n, steps=steps, slots=slots,
+               chunk_tokens=chunk_tokens, reps=reps,
+               strategies=tuple(strategy or STRATEGIES), lenience=lenience,
+               shift_steps=shift_steps, device=device, progress=say)
+    print_table(f"B2 long tail: {model}, {groups} groups x {n} per step, {slots} slots",
+                data["strategies"],
+                ["strategy", "tokens_per_s", "makespan_s", "tail_time_s", "tail_vs_sync",
+                 "tokens_per_s_vs_sync", "forward_passes_per_token", "row_forwards_per_token",
+                 "mean_accepted_len", "offpolicy_token_frac", "mean_trained_len"])
+    save_results(data, json)

@@ -126,6 +126,19 @@ def format_step_line(record: dict[str, Any]) -> str:
     ]
     if times:
         parts.append(" ".join(times))
+    parts += _throughput_and_memory(record)
+    failed = [f"{int(n)} {label}" for key, label in (("reward_errors", "raised/NaN"),
+                                                      ("reward_timeouts", "timed out"),
+                                                      ("reward_infra", "infra, masked"))
+              if (n := number(record, key))]
+    if failed:
+        parts.append("reward failures: " + ", ".join(failed))
+    return " | ".join(parts)
+
+
+def _throughput_and_memory(record: dict[str, Any]) -> list[str]:
+    """The step line's tokens/s, memory peaks, learner busy fraction and async queue parts."""
+    parts: list[str] = []
     tps = number(record, "rollout_tokens_per_s")
     if tps is not None:
         parts.append(f"{tps:.0f} tok/s")
@@ -141,10 +154,4 @@ def format_step_line(record: dict[str, Any]) -> str:
     if number(record, "time_wait") is not None:  # the asynchronous driver
         stale = sum(number(record, f"staleness_hist_{k}") or 0 for k in ("1", "2", "3plus"))
         parts.append(f"queue {int(number(record, 'queue_depth') or 0)} stale {int(stale)}")
-    failed = [f"{int(n)} {label}" for key, label in (("reward_errors", "raised/NaN"),
-                                                      ("reward_timeouts", "timed out"),
-                                                      ("reward_infra", "infra, masked"))
-              if (n := number(record, key))]
-    if failed:
-        parts.append("reward failures: " + ", ".join(failed))
-    return " | ".join(parts)
+    return parts
