@@ -16,9 +16,11 @@ import httpx
 import pytest
 
 from rollwise.compose.config import ConfigError, load_config, to_toml
+from rollwise.engine.base import SamplingParams
 from rollwise.pipeline.build import build, run_steps
 from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
+from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import RemoteError, Servers
 from rollwise.run.rundir import Run
 from rollwise.types import Published
@@ -175,9 +177,6 @@ def test_remote_matches_in_process_and_the_server_follows_the_trainer(tmp_path, 
 
 def test_a_bad_weights_folder_names_the_server_and_the_phase(tmp_path, server):
     servers = Servers([server.url], timeout_s=10, retries=0)
-    from rollwise.rollout.remote import RemoteRollout
-    from rollwise.engine.base import SamplingParams
-
     port = RemoteRollout(servers, SamplingParams(), lambda ids: "", lambda trajs: None, seed=0)
     try:
         with pytest.raises(RemoteError, match="load") as e:

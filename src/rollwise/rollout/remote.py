@@ -77,7 +77,8 @@ class RemoteRollout:
         self._weights = Published(version)
         self._figures: list[RolloutFigures] = []
         self._calls = _Calls()
-        self._load_s = 0.0
+        self._load_s = 0.0  # the last weight update's round trip (the slowest server's)
+        self._phases: dict[str, float] = {}  # and its phases, as the servers timed them
 
     @property
     def version(self) -> int:
@@ -160,14 +161,16 @@ class RemoteRollout:
 
     def metrics(self) -> dict[str, float]:
         """The rollout figures of this step's rounds (forward passes are the servers'
-        own: left out), the requests' timings, retries and the last weight load; resets."""
+        own: left out), the requests' timings, retries and the last weight update (its
+        round trip and its phases on the slowest server); resets."""
         rounds, self._figures = self._figures, []
         calls, self._calls = self._calls, _Calls()
         load, self._load_s = self._load_s, 0.0
+        phases, self._phases = self._phases, {}
         out = sum(rounds, RolloutFigures()).metrics() if rounds else {}
         out.pop("rollout_forward_passes", None)
-        return out | calls.metrics() | {"remote_retries": self.servers.take_retries(),
-                                        "weights_load_seconds": load}
+        return out | calls.metrics() | phases | {"remote_retries": self.servers.take_retries(),
+                                                 "weights_load_seconds": load}
 
     def publish(self, weights: Published) -> None:
         """Every server loads the folder `weights.handle` as `weights.version` (all at
@@ -179,10 +182,16 @@ class RemoteRollout:
                 "timeout_s": self.servers.timeout_s}
         calls = [self._pool.submit(self.servers.post, "/v1/weights/update", body, first=i,
                                    spread=False) for i in range(len(self.servers.urls))]
-        seconds = max(f.result()[1] for f in calls)
+        answers = [f.result() for f in calls]
+        phases: dict[str, float] = {}
+        for answer, _ in answers:  # the slowest server's seconds in each phase it names
+            for k, v in (answer.get("phases") or {}).items():
+                name = f"remote_weights_{k.removesuffix('_s')}_seconds"
+                phases[name] = max(phases.get(name, 0.0), float(v))
         with self._lock:
             self._weights = weights
-            self._load_s = max(self._load_s, seconds)
+            self._load_s = max(self._load_s, max(seconds for _, seconds in answers))
+            self._phases = phases
 
     def server_versions(self) -> list[int]:
         """The version each server samples with now (GET /v1/weights)."""
