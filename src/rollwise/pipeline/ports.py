@@ -7,8 +7,10 @@ the choice, so the drivers never ask where anything runs.
     rollout    rollout.RolloutStage              RayRollout: rollout workers + a reward actor
     trainer    learner.Learner                   RayTrainer: a learner actor
 
-An inference server in another process is one more rollout placement: an object with the
-methods of `RolloutPort`, weights published to it by version.
+Inference servers in other processes are one more placement (engine.name = 'remote',
+docs/remote.md): `rollout.RemoteRollout` sends each group to a server, and the trainer is
+the learner in this process as `learner.FileTrainer`, whose publications are folders of
+weights the servers load by version.
 
 Weights flow one way, by version: `trainer.publish(v)` returns a `Published` record
 (no handle when the rollout side reads the trainer's tensors), `rollout.publish(it)`
