@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,13 +18,16 @@ import pytest
 
 from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.engine.base import SamplingParams
+from rollwise.learner.files import write_weights
+from rollwise.models import load_policy
 from rollwise.pipeline.build import build, run_steps
 from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
+from rollwise.rewards import RewardStats
 from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import RemoteError, Servers
 from rollwise.run.rundir import Run
-from rollwise.types import Published
+from rollwise.types import EncodedPrompt, Published, Sample
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 TIMING = ("time", "seconds", "_per_s", "makespan", "tail_s", "publish", "eta", "peak_rss",
@@ -173,6 +177,35 @@ def test_remote_matches_in_process_and_the_server_follows_the_trainer(tmp_path, 
     trains = records(tmp_path / "remote", "train")
     assert all(r["remote_requests"] == 4 and r["remote_retries"] == 0 for r in trains)
     assert all(r["weights_bytes"] > 0 and r["remote_http_seconds"] > 0 for r in trains)
+
+
+def test_an_update_in_abort_mode_cuts_samples_that_are_sent_again_to_finish(tmp_path, server):
+    """Weights loaded with mode 'abort' while a group generates: its samples stop, come
+    back partial and are sent again from where they stopped, ending with tokens of both
+    versions and every sample whole."""
+    write_weights(load_policy("tiny").model, tmp_path / "w")
+    port = RemoteRollout(Servers([server.url], timeout_s=60, retries=0),
+                         SamplingParams(n=4, max_tokens=300), lambda ids: "",
+                         lambda trajs: RewardStats(0, 0, 0, 0.0), seed=1, sync="abort")
+    before = server.version()
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(port.run(
+        [EncodedPrompt(Sample("s", "", ""), [5, 6, 7])], [4])))
+    try:
+        thread.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/v1/stats", timeout=5).json()["pending"] == 0:
+            assert time.monotonic() < deadline and thread.is_alive(), "never generating"
+            time.sleep(0.01)
+        port.publish(Published(before + 1, str(tmp_path / "w")))
+        thread.join(60)
+        trajs = out[0][0].trajectories
+        assert all(t.finish_reason != "abort" for t in trajs)
+        assert all(t.finish_reason == "stop" or len(t.response_ids) == 300 for t in trajs)
+        assert any(set(t.versions) == {before, before + 1} for t in trajs)
+        assert port.metrics()["remote_resumed"] >= 1
+    finally:
+        port.close()
 
 
 def test_a_bad_weights_folder_names_the_server_and_the_phase(tmp_path, server):
