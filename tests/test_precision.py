@@ -167,13 +167,13 @@ def test_rollout_dtype_config_reaches_the_engines(tmp_path) -> None:
     from rollwise.compose.config import ConfigError, load_config
 
     base = [f"run.output_dir='{tmp_path}'", "run.threads=1", "task.num_eval=8"]
-    stages = build(load_config(CONFIG, [*base, "rollout.dtype='bfloat16'"]))
+    stages = build(load_config(CONFIG, [*base, "engine.dtype='bfloat16'"]))
     assert stages.engine.dtype == torch.bfloat16
     assert stages.evaluator.engine.decoder is stages.engine.decoder
     with pytest.raises(ConfigError, match="native engine"):
-        build(load_config(CONFIG, [*base, "rollout.dtype='bfloat16'", "rollout.engine='hf'"]))
-    with pytest.raises(Exception, match="rollout.dtype") as bad:
-        load_config(CONFIG, [*base, "rollout.dtype='int4'"])
+        build(load_config(CONFIG, [*base, "engine.dtype='bfloat16'", "engine.name='hf'"]))
+    with pytest.raises(Exception, match="engine.dtype") as bad:
+        load_config(CONFIG, [*base, "engine.dtype='int4'"])
     assert all(name in str(bad.value) for name in ("auto", "float32", "bfloat16", "int8"))
 
 
@@ -187,8 +187,8 @@ def test_bf16_rollouts_with_tis_train_like_float32(tmp_path) -> None:
     from rollwise.run.rundir import Run
 
     curves, last = {}, {}
-    for name, extra in {"fp32": ["rollout.dtype='float32'", "learner.precision='float32'"],
-                        "bf16": ["rollout.dtype='bfloat16'", "learner.precision='bf16-autocast'",
+    for name, extra in {"fp32": ["engine.dtype='float32'", "learner.precision='float32'"],
+                        "bf16": ["engine.dtype='bfloat16'", "learner.precision='bf16-autocast'",
                                  "algorithm.correction='tis'"]}.items():
         cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", f"run.name='{name}'",
                                    "run.num_steps=60", "run.threads=1", "eval.every=0",
@@ -247,7 +247,7 @@ def test_eval_of_a_bf16_run_reads_its_trained_weights(tmp_path) -> None:
 
     cfg = load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "run.name='b'", "run.threads=1",
                                "eval.every=0", "rollout.prompts_per_step=16", "learner.lr=1e-2",
-                               "task.num_eval=40", "rollout.dtype='bfloat16'"])
+                               "task.num_eval=40", "engine.dtype='bfloat16'"])
     run = Run(tmp_path / "b", resume=False, config_toml=to_toml(cfg), echo=lambda s: None)
     summary = train(build(cfg), run, 3)
     before, after = summary["eval_before"], summary["eval_after"]
@@ -318,12 +318,12 @@ def test_bench_e2e_precision_axis_and_learner_bench(tmp_path) -> None:
 
 def test_packed_bf16_weights_give_the_plain_product() -> None:
     """oneDNN's packed layout (taken once at publication) is a layout, not an approximation."""
-    from rollwise.engine.decoder import _Dense
+    from rollwise.engine.projections import Dense
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 40, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, generator=gen).to(torch.bfloat16)
-    packed, plain = _Dense(w, b, pack=True), _Dense(w, b)
+    packed, plain = Dense(w, b, pack=True), Dense(w, b)
     if packed.packed is None:
         pytest.skip("no oneDNN in this torch build")
     for shape in [(64, 1, 40), (3, 7, 40), (1, 40)]:

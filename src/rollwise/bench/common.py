@@ -18,7 +18,7 @@ def load_workload(model: str, num_prompts: int, seed: int = 0, device: str = "cp
     """(policy, prompt ids) for a task the configs train on (default: two-digit addition);
     the tiny model is warm-started on the task's references exactly as training does
     (shared cache)."""
-    from rollwise.compose.config import TinyConfig
+    from rollwise.compose.sections import TinyConfig
     from rollwise.models import load_policy
     from rollwise.tasks import make_task
 

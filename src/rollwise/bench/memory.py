@@ -37,7 +37,7 @@ def _model(shape: str, shapes_dir: Path, lora_rank: int):
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        from rollwise.compose.config import ModelConfig
+        from rollwise.compose.sections import ModelConfig
 
         model = get_peft_model(model, LoraConfig(
             r=lora_rank, lora_alpha=2 * lora_rank,
