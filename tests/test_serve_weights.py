@@ -126,6 +126,7 @@ def test_a_bad_folder_is_an_error_naming_the_phase_and_nothing_changes(served, t
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
         assert "phase load" in message and named in message and "still serving version 0" in message
+        assert r.json()["error"]["phase"] == "load"
     r = update(url, path=str(tmp_path / "small"), version=1, mode="sideways")
     assert r.status_code == 400 and "mode" in r.json()["error"]["message"]
     after = served_greedy(url, ids)

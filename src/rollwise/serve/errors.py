@@ -20,14 +20,20 @@ from rollwise.serve.text import BadRequest
 
 
 class APIError(Exception):
+    """A refusal: HTTP `status`, the message, OpenAI's error `type` and `param`; `phase`,
+    for a weight update, the phase that failed (an extra field of the error body)."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None):
+                 param: str | None = None, phase: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.phase = phase
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(message: str, kind: str, param: str | None = None, code: Any = None,
+               phase: str | None = None) -> dict:
+    body = {"message": message, "type": kind, "param": param, "code": code}
+    return {"error": body | ({"phase": phase} if phase else {})}
 
 
 class BodyLimit:
@@ -78,7 +84,8 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(error_body(e.message, e.kind, e.param), status_code=e.status,
+        return JSONResponse(error_body(e.message, e.kind, e.param, phase=e.phase),
+                            status_code=e.status,
                             headers=headers)
 
     @app.exception_handler(RequestValidationError)

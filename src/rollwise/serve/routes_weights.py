@@ -53,7 +53,7 @@ def add_weight_routes(app: FastAPI, server: ServerState, auth: list) -> None:
                 kind = "server_error" if e.status >= 500 else "invalid_request_error"
                 raise APIError(e.status, f"weight update to version {body.version} failed in "
                                f"phase {e}; still serving version {server.engine.version}",
-                               kind=kind, param="path") from None
+                               kind=kind, param="path", phase=e.phase) from None
             server.metrics.weight_update(time.perf_counter() - start, ok=True)
             return out
 
