@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +98,7 @@ class RemoteRollout:
         done_times: list[float] = []
         pending = set(futures)
         while pending:
-            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
                 if f.exception() is not None:
                     for rest in pending:
@@ -106,7 +106,10 @@ class RemoteRollout:
                     raise f.exception()  # type: ignore[misc]
                 group, seconds = f.result()
                 groups[futures[f]] = group
-                done_times += [time.perf_counter() - start] * len(group.trajectories)
+                arrived = time.perf_counter() - start
+                for t in group.trajectories:  # as the in-process scheduler records it
+                    t.timings["rollout_done"] = arrived
+                done_times += [arrived] * len(group.trajectories)
                 self._calls.add(*seconds)
                 self._ahead.start(group)
         makespan = time.perf_counter() - start
