@@ -103,6 +103,12 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
         _fail(os_error_message(e, root), code=1)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    # soft_wrap: a long line is not broken at the console width (a "|" left at a line's end)
+    console.print(_done_line(summary, root), highlight=False, soft_wrap=True)
+
+
+def _done_line(summary: dict, root: Path) -> str:
+    """The last line of `rollwise train`: accuracy before -> after, time, where it all is."""
     before = summary.get("eval_before", {}).get("accuracy")
     after = summary["eval_after"]["accuracy"]
     change = f"{before:.1%} -> {after:.1%}" if before is not None else f"{after:.1%}"
@@ -111,11 +117,9 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
     # line warns only when a quarter of the steps or more had a problem
     warn = (f" | WARNING: {problems} of {steps} steps learned nothing (see the step lines)"
             if problems and 4 * problems >= max(steps, 1) else "")
-    # soft_wrap: a long line is not broken at the console width (a "|" left at a line's end)
-    console.print(f"[bold green]done[/]: held-out greedy accuracy {change} in "
-                  f"{summary['train_seconds']:.0f}s of training ({summary['steps']} steps) | "
-                  f"run: {root} | report: {summary['report']}{warn}", highlight=False,
-                  soft_wrap=True)
+    return (f"[bold green]done[/]: held-out greedy accuracy {change} in "
+            f"{summary['train_seconds']:.0f}s of training ({summary['steps']} steps) | "
+            f"run: {root} | report: {summary['report']}{warn}")
 
 
 def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_changes: bool):
@@ -142,12 +146,20 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
 def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run directory.")],
              set_: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None):
     """Greedy accuracy (and pass@k if eval.pass_k > 0) on the held-out split."""
-    from rollwise.pipeline.build import build
+    result = _stages_to_evaluate(target, set_ or []).evaluate()
+    _print_task_table(result)
+    console.print_json(json.dumps(result))  # last, so the output ends with one JSON object
+
+
+def _stages_to_evaluate(target: Path, set_: list[str]):
+    """The stages built from a config, or from a run directory with its latest checkpoint
+    loaded and published to the engine."""
     from rollwise.learner.checkpoint import list_checkpoints, load_checkpoint
+    from rollwise.pipeline.build import build
 
     is_run = target.is_dir()
     try:
-        cfg = load_config(target / "config.toml" if is_run else target, set_ or [])
+        cfg = load_config(target / "config.toml" if is_run else target, set_)
         stages = build(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -161,7 +173,11 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
             _fail(str(e))
         stages.engine.publish(stages.engine.version)  # a converted (engine.dtype) copy
         console.print(f"evaluating {found[-1]}")
-    result = stages.evaluate()
+    return stages
+
+
+def _print_task_table(result: dict) -> None:
+    """The held-out figures per task, one row each."""
     from rich.table import Table
 
     from rollwise.observe.metrics import task_table
@@ -175,7 +191,6 @@ def evaluate(target: Annotated[Path, typer.Argument(help="A config file or a run
         table.add_row(*[f"{row[c]:.3f}" if isinstance(row.get(c), float) and c != "n"
                         else str(row.get(c, "")) for c in columns])
     console.print(table)
-    console.print_json(json.dumps(result))  # last, so the output ends with one JSON object
 
 
 @app.command()
@@ -187,24 +202,31 @@ def report(path: Annotated[Path, typer.Argument(help="A run directory or a bench
                "compare.html")):
     """Write the HTML report of a run directory or a benchmark JSON file, or (--compare) one
     page overlaying the accuracy and reward of several runs vs step and wall time."""
+    if compare:
+        console.print(f"comparison: {_write_comparison([path, *compare], out)}")
+    else:
+        console.print(f"report: {_write_report(path)}")
+
+
+def _write_report(path: Path) -> Path:
+    """A run directory's report.html, or a benchmark JSON's page; the page's path."""
     from rollwise.observe import write_bench_report, write_report
 
-    if compare:
-        from rollwise.observe.completions import write_compare
-
-        runs = [path, *compare]
-        missing = [r for r in runs if not (r / "metrics.jsonl").is_file()]
-        if missing:
-            _fail(f"{missing[0]}: not a run directory (no metrics.jsonl)")
-        console.print(f"comparison: {write_compare(runs, out)}")
-        return
     if path.is_dir():
-        out = write_report(path)
-    elif path.suffix == ".json" and path.is_file():
-        out = write_bench_report(path)
-    else:
-        _fail(f"{path}: expected a run directory or a benchmark .json file")
-    console.print(f"report: {out}")
+        return write_report(path)
+    if path.suffix == ".json" and path.is_file():
+        return write_bench_report(path)
+    _fail(f"{path}: expected a run directory or a benchmark .json file")
+
+
+def _write_comparison(runs: list[Path], out: Path) -> Path:
+    """One page overlaying `runs` (run directories); its path."""
+    from rollwise.observe.completions import write_compare
+
+    missing = [r for r in runs if not (r / "metrics.jsonl").is_file()]
+    if missing:
+        _fail(f"{missing[0]}: not a run directory (no metrics.jsonl)")
+    return write_compare(runs, out)
 
 
 @app.command("export")
