@@ -160,7 +160,7 @@ def test_allocator_respects_budget_and_exploration_floor(name):
 
 
 @pytest.mark.parametrize("name", ["thompson", "pilot_commit", "vcrl", "dynamic", "dars",
-                                  "aero", "hive"])
+                                  "aero"])
 def test_adaptive_allocators_train_on_more_informative_groups_than_uniform(name):
     def informative(trained):
         groups = [g for step in trained[20:] for g in step]
