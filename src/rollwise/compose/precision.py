@@ -210,7 +210,7 @@ def _interleaved(fns: dict[str, object], budget_s: float) -> dict[str, float]:
 def _rollout_layer(shapes: ModelShapes, dtype: str, rows: int):
     """One decoder layer's projections at `rows` decode rows, in `dtype` as the engine
     runs them (fused q/k/v and gate/up; int8 with per-row activation quantization)."""
-    from rollwise.engine.decoder import _Dense, _Int8Dense
+    from rollwise.engine.projections import Dense, Int8Dense
 
     h, i, q = shapes.hidden, shapes.intermediate, shapes.qkv
     gen = torch.Generator().manual_seed(0)
@@ -219,11 +219,11 @@ def _rollout_layer(shapes: ModelShapes, dtype: str, rows: int):
     xs = [torch.randn(rows, k, generator=gen) for _, k in mats]
     if dtype == "int8":
         ones = [torch.ones(k) for _, k in mats]
-        lins = [_Int8Dense(w, None, s) for w, s in zip(ws, ones)]
+        lins = [Int8Dense(w, None, s) for w, s in zip(ws, ones)]
     else:
         dt = getattr(torch, dtype)
         pack = dt == torch.bfloat16 and torch.backends.mkldnn.is_available()
-        lins = [_Dense(w.to(dt), None, pack=pack) for w in ws]
+        lins = [Dense(w.to(dt), None, pack=pack) for w in ws]
         xs = [x.to(dt) for x in xs]
 
     def layer():
