@@ -317,3 +317,17 @@ def test_smollm2_greedy_identical_and_logprobs_exact() -> None:
         ref = _full_forward_logprobs(policy.model, prompts[c.prompt_index], c.token_ids)
         assert (ref - torch.tensor(c.logprobs)).abs().max() < 1e-4
     assert math.isfinite(sum(c.logprobs[0] for c in want))
+
+
+def test_a_request_finished_by_its_first_token_stops_there(model) -> None:
+    """The first token (drawn when the prompt is admitted) can end a request: a stop id, or
+    max_tokens=1; it gets no second token from the same step's decode."""
+    engine = _native(model)
+    free = engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True, seed=4))
+    one = engine.generate(PROMPTS, SamplingParams(max_tokens=1, seed=4))
+    assert [c.token_ids for c in one] == [c.token_ids[:1] for c in free]
+    assert all(c.finish_reason == "length" for c in one)
+    first = free[0].token_ids[0]
+    (stopped,) = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=6, seed=4,
+                                                             stop_token_ids=(first,)))
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"

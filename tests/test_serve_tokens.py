@@ -92,12 +92,14 @@ def test_generate_sampling_settings_and_stop_token_ids(served):
     seed = derive_seed(3, 0)
     free = reference.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True,
                                                     seed=3))[0].token_ids
-    stop = next(t for t in free[1:] if t != free[0])  # not the first token (see the report)
-    r = post(url, "/v1/generate", {"prompt_token_ids": ids, "max_tokens": 12,
-                                   "stop_token_ids": [stop], "seeds": [seed]}).json()
-    (choice,) = r["choices"]
-    assert choice["token_ids"] == free[: free.index(stop) + 1]
-    assert choice["finish_reason"] == "stop"
+    for stop in (free[0], next(t for t in free if t != free[0])):  # the first token too
+        r = post(url, "/v1/generate", {"prompt_token_ids": ids, "max_tokens": 12,
+                                       "stop_token_ids": [stop], "seeds": [seed]}).json()
+        (choice,) = r["choices"]
+        assert choice["token_ids"] == free[: free.index(stop) + 1]
+        assert choice["finish_reason"] == "stop"
+    r = post(url, "/v1/generate", {"prompt_token_ids": ids, "max_tokens": 1, "seeds": [seed]})
+    assert r.json()["choices"][0]["token_ids"] == free[:1]
     want = reference.generate([ids], SamplingParams(top_k=3, top_p=0.9, temperature=0.7,
                                                     max_tokens=10, seed=5))[0]
     r = post(url, "/v1/generate", {"prompt_token_ids": ids, "top_k": 3, "top_p": 0.9,

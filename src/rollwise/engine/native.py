@@ -204,11 +204,15 @@ class NativeEngine:
             self.verifier.attach_drafts(adm.rows, drafter or self.drafter)
             adm.make_room()
             rows = list(adm.rows)
-            single = [i for i, r in enumerate(rows) if r.inputs == 1]
-            multi = [i for i, r in enumerate(rows) if r.inputs > 1]
+            # finished by their first token (drawn at admission): nothing to decode, unless
+            # a static batch keeps them computing
+            done = set() if static else {i for i, r in enumerate(rows) if not r.zombie
+                                         and r.finish_reason(self.max_context) is not None}
+            single = [i for i, r in enumerate(rows) if r.inputs == 1 and i not in done]
+            multi = [i for i, r in enumerate(rows) if r.inputs > 1 and i not in done]
             if multi and single and len(rows) <= self.verifier.spec_max_batch:
                 multi, single = single + multi, []  # small batch: one pass, a little padding
-            if single and not multi and self.decode_step.mode != "rows":
+            if single and not multi and not done and self.decode_step.mode != "rows":
                 # every row decodes one token: the static-shape step
                 self._decode(rows)
             elif single:
@@ -305,6 +309,8 @@ class NativeEngine:
 
     def _emit(self, r: Request, tokens: list[int], lps: list[float]) -> None:
         """Append tokens up to the first stop or the length limit; the last is pending."""
+        if not r.zombie and r.finish_reason(self.max_context) is not None:
+            return  # finished by its first token this step: its row retires at the step's end
         if r.zombie:  # a finished row of a static batch: it computes on, reporting nothing
             r.tokens.append(tokens[0])
         else:
