@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.models.tiny import build_model
@@ -119,8 +120,16 @@ def test_a_bad_folder_is_an_error_naming_the_phase_and_nothing_changes(served, t
     before = served_greedy(url, ids)["choices"][0]["token_ids"]
     (tmp_path / "empty").mkdir()
     build_model(hidden=64).save_pretrained(tmp_path / "small")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "model.safetensors").write_bytes(b"not safetensors")
+    for name, tensors in (("stranger", {"not.a.weight": torch.zeros(2)}),
+                          ("partial", {"model.norm.weight": torch.ones(128)})):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors")
     cases = [(tmp_path / "nowhere", "not a folder"), (tmp_path / "empty", "model.safetensors"),
-             (tmp_path / "small", "shape")]
+             (tmp_path / "small", "shape"), (tmp_path / "junk", "cannot be read"),
+             (tmp_path / "stranger", "'not.a.weight' is not a weight"),
+             (tmp_path / "partial", "lacks")]
     for path, named in cases:
         r = update(url, path=str(path), version=1)
         assert r.status_code == 400, r.text

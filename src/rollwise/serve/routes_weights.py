@@ -80,7 +80,11 @@ async def _update(server: ServerState, body: WeightsBody) -> dict:
         aborted = server.driver.abort_live() if body.mode == "abort" else 0
         loading = time.perf_counter()
         server.weights.apply(staged, deadline)
-        engine.publish(body.version)
+        try:
+            engine.publish(body.version)
+        except Exception as e:
+            raise UpdateError("load", f"the new weights are in place but publishing them "
+                              f"failed ({type(e).__name__}: {e})", status=500) from e
         done = time.perf_counter()
         return aborted, loading - queued, done - loading, done
 

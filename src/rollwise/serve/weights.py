@@ -60,10 +60,16 @@ class WeightStore:
         path = Path(folder)
         if not path.is_dir():
             raise UpdateError("load", f"{folder} is not a folder")
-        if (path / FULL).is_file():
-            return self._stage_full(path / FULL)
-        if (path / ADAPTER).is_file() and (path / ADAPTER_CONFIG).is_file():
-            return self._stage_adapter(path)
+        try:
+            if (path / FULL).is_file():
+                return self._stage_full(path / FULL)
+            if (path / ADAPTER).is_file() and (path / ADAPTER_CONFIG).is_file():
+                return self._stage_adapter(path)
+        except UpdateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unreadable file, whatever the reader says
+            raise UpdateError("load", f"{folder}: cannot be read ({type(e).__name__}: {e})"
+                              ) from None
         raise UpdateError("load", f"{folder} holds neither {FULL} (full weights) nor "
                           f"{ADAPTER} with {ADAPTER_CONFIG} (a LoRA adapter)")
 
