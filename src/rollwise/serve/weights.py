@@ -51,7 +51,8 @@ class WeightStore:
     are merged into (kept on the host only for tensors an adapter has changed)."""
 
     def __init__(self, model):
-        self.tensors = dict(model.state_dict(keep_vars=False))
+        self.model = model
+        self.tensors: dict[str, torch.Tensor] = {}
         self.bases: dict[str, torch.Tensor] = {}
 
     # -- stage: read and check, the model untouched ----------------------------------------
@@ -60,6 +61,7 @@ class WeightStore:
         path = Path(folder)
         if not path.is_dir():
             raise UpdateError("load", f"{folder} is not a folder")
+        self.tensors = dict(self.model.state_dict())  # the model's tensors as they are now
         try:
             if (path / FULL).is_file():
                 return self._stage_full(path / FULL)
