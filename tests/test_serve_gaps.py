@@ -139,3 +139,16 @@ def test_the_tiny_model_with_a_longer_context_holds_a_chat_with_tools():
     finally:
         server.stop()
     assert load_policy("tiny").max_context == 512  # the default is unchanged
+
+
+def test_null_fields_count_as_not_sent_and_the_cli_checks_tiny_context(served):
+    r = httpx.post(served[0] + "/v1/completions", json=COMPLETION | {
+        "prompt_logprobs": None, "guided_json": None, "user": "someone"},
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    from typer.testing import CliRunner
+
+    from rollwise.cli import app
+
+    out = CliRunner().invoke(app, ["serve", "--model", "smollm2-135m", "--tiny-context", "2048"])
+    assert out.exit_code == 2 and "applies to model 'tiny'" in out.output
