@@ -56,24 +56,24 @@ def test_aero_rescue_size_and_live_mass_by_hand() -> None:
 
 
 def test_aero_rescues_all_equal_groups_with_the_posterior_size() -> None:
-    """Three fresh prompts, G = 8 (budget 24), n0 = 2: round 1 asks 2 each; a prompt that
-    failed twice has posterior Beta(1, 3), mean 1/4, so it is rescued with 3 more
-    (1 - 0.75^3 = 0.578 >= 0.5); a mixed group is not; the budget left (24 - 6 = 18) pays for
-    both all-fail prompts."""
+    """Three fresh prompts, G = 8 (budget 24; n0 = G/2 = 4): round 1 asks 4 each; a prompt
+    that failed 4 times has posterior Beta(1, 5), mean 1/6, so it is rescued with 4 more
+    (1 - (5/6)^4 = 0.518 >= 0.5); a mixed group is not; the budget left (24 - 12 = 12) pays
+    for both all-fail prompts."""
     prompts = [FakePrompt(Sample(id=f"p{i}", prompt=str(i), answer="0"), [1, i])
                for i in range(3)]
     ctl = Controller(prompts, make_allocator("aero", candidates=1.0),
                      PosteriorBook(decay_fast=1.0), prompts_per_step=3, group_size=8,
                      explore=0.0)
     first = ctl.plan()
-    assert [r.n for r in first] == [2, 2, 2]
+    assert [r.n for r in first] == [4, 4, 4]
     rate = {r.prompt[0].id: 0.0 for r in first}
     rate[first[0].prompt[0].id] = 0.5
     groups = simulated(first, random.Random(3), rate)
     groups[0].trajectories[0].reward, groups[0].trajectories[1].reward = 1.0, 0.0  # mixed
     second = ctl.observe(groups)
     assert sorted((r.prompt[0].id, r.n) for r in second) == sorted(
-        (g.sample.id, 3) for g in groups[1:])
+        (g.sample.id, 4) for g in groups[1:])
     assert ctl.observe(simulated(second, random.Random(3), rate)) == []
     _, train = ctl.finish()
     assert [g.sample.id for g in train] == [groups[0].sample.id]  # still-dead groups dropped

@@ -86,11 +86,11 @@ class Aero:
 
     name = "aero"
 
-    def __init__(self, n0: int = 2, max_n: int = 16, rescue_prob: float = 0.5,
+    def __init__(self, n0: int = 0, max_n: int = 16, rescue_prob: float = 0.5,
                  dead_eps: float = 0.05, candidates: float = 2.0):
-        if n0 < 1 or max_n < 2 or not 0.0 < rescue_prob < 1.0 or not 0.0 < dead_eps < 0.5:
+        if n0 < 0 or max_n < 2 or not 0.0 < rescue_prob < 1.0 or not 0.0 < dead_eps < 0.5:
             raise ValueError(f"aero: n0={n0}, max_n={max_n}, rescue_prob={rescue_prob}, "
-                             f"dead_eps={dead_eps}: expected n0 >= 1, max_n >= 2, "
+                             f"dead_eps={dead_eps}: expected n0 >= 0, max_n >= 2, "
                              "0 < rescue_prob < 1, 0 < dead_eps < 0.5")
         self.n0, self.max_n, self.rescue_prob = n0, max_n, rescue_prob
         self.dead_eps, self.candidates = dead_eps, candidates
@@ -111,7 +111,7 @@ class Aero:
         return m if m <= cap else 0
 
     def plan(self, ctl: Controller) -> list[Request]:
-        self._first = min(self.n0, ctl.group_size)
+        self._first = min(self.n0 or max(2, ctl.group_size // 2), ctl.group_size)
         self._rescued = False
         chosen = ctl.choose(ctl.prompts_per_step, lambda pid: self.live_mass(ctl, pid),
                             self.candidates)
