@@ -6,7 +6,7 @@ and `rollwise.rewards.canonical` only, loaded from its stdin with `confine` and 
 
 The runner itself never executes the model's code. It forks one **candidate process** that
 loads the code and then answers calls: the runner sends the arguments, the candidate sends
-back the return value as a canonical value (`canonical.encode` / `decode`: exact built-in types only,
+back the return value as a canonical value (`canonical.py`: exact built-in types only,
 rebuilt as genuine objects here by a strict parser). The tests run here, in the runner, on
 those rebuilt values: an ``__eq__`` that always agrees, an int subclass or an object that
 pretends to be a str never reach a comparison. The candidate gets no descriptor of the result

@@ -27,9 +27,9 @@ Infrastructure failures (the sandbox could not start: an OSError, a wrapper that
 runner that timed out before it was ready) are not the model's fault: `execute` retries once
 and then raises `InfraError`, which the reward pool counts apart and masks.
 
-This module holds the limits, the detection and one execution; `wrappers.py` builds the
-namespace command lines, `verdict.py` talks to the started process and decides the verdict.
-It imports those two and `rewards.pool` (`InfraError`).
+This module holds the detection, one execution and `execute`; `wrappers.py` builds the
+namespace command lines; `verdict.py` holds the limits and the result, talks to the started
+process and decides the verdict. It imports those two and `rewards.pool` (`InfraError`).
 """
 
 from __future__ import annotations
@@ -45,13 +45,12 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from rollwise.rewards.pool import InfraError
-from rollwise.rewards.verdict import communicate, frame
+from rollwise.rewards.verdict import ExecResult, SandboxLimits, communicate, frame
 from rollwise.rewards.wrappers import (
     LANDLOCK_READ,
     hidden_dirs,
@@ -86,48 +85,6 @@ PROBE_CODE = ("import importlib\n"
               "    open('probe.txt', 'w').write('ok')\n"
               "    return x + 1\n")
 PROBE_TESTS = "def check(candidate):\n    assert candidate(1) == 2\n"
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Limits of one execution."""
-
-    cpu_s: int = 2  # CPU seconds per process (RLIMIT_CPU)
-    wall_s: float = 4.0  # wall time of the whole execution, then the group is killed
-    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
-    file_mb: int = 8  # largest file it may write (RLIMIT_FSIZE)
-    open_files: int = 64  # RLIMIT_NOFILE
-    processes: int = 16  # RLIMIT_NPROC (counted per uid; the code's process sets it)
-    output_kb: int = 256  # stdout + stderr kept; more kills the execution
-
-    def __post_init__(self):
-        for name, value in asdict(self).items():
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"sandbox limit {name}={value!r}: expected a number > 0")
-
-
-@dataclass
-class ExecResult:
-    """What one execution did."""
-
-    passed: int = 0  # tests passed (never more than total)
-    total: int = 0  # tests in the test function
-    status: str = "ok"  # ok | failed | load_error | timeout | cpu_limit | output_limit |
-    #                     crashed | infra
-    reason: str = ""  # why it did not pass everything, for reward_errors
-    seconds: float = 0.0
-    output: str = ""  # the code's own output (capped), for debugging
-    isolation: str = ""
-    details: list[str] = field(default_factory=list)  # "fail: why" per failed test
-
-    @property
-    def score(self) -> float:
-        return self.passed / self.total if self.total else 0.0
-
-    @property
-    def infra(self) -> bool:
-        return self.status == "infra"
-
 
 
 # ---------------------------------------------------------------------------------------------

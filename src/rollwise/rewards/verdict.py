@@ -1,9 +1,10 @@
-"""The trainer's side of one started sandbox: feed it the program and the code, then the tests
-once the runner is ready; read the runner's result lines (fd 1) and the code's output (fd 2)
-under the limits; kill the process group; decide the verdict from what the runner reported.
+"""The limits of one sandboxed execution (`SandboxLimits`), its verdict (`ExecResult`), and the
+trainer's side of the started sandbox: feed it the program and the code, then the tests once
+the runner is ready; read the runner's result lines (fd 1) and the code's output (fd 2) under
+the limits; kill the process group; decide the verdict from what the runner reported.
 
-Imports the standard library only (`SandboxLimits` and `ExecResult` are annotations here);
-`rollwise.rewards.sandbox` starts the process and calls `communicate`.
+Imports the standard library only; `rollwise.rewards.sandbox` starts the process and calls
+`communicate`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,49 @@ import selectors
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from rollwise.rewards.sandbox import ExecResult, SandboxLimits
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one execution."""
+
+    cpu_s: int = 2  # CPU seconds per process (RLIMIT_CPU)
+    wall_s: float = 4.0  # wall time of the whole execution, then the group is killed
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    file_mb: int = 8  # largest file it may write (RLIMIT_FSIZE)
+    open_files: int = 64  # RLIMIT_NOFILE
+    processes: int = 16  # RLIMIT_NPROC (counted per uid; the code's process sets it)
+    output_kb: int = 256  # stdout + stderr kept; more kills the execution
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"sandbox limit {name}={value!r}: expected a number > 0")
+
+
+@dataclass
+class ExecResult:
+    """What one execution did."""
+
+    passed: int = 0  # tests passed (never more than total)
+    total: int = 0  # tests in the test function
+    status: str = "ok"  # ok | failed | load_error | timeout | cpu_limit | output_limit |
+    #                     crashed | infra
+    reason: str = ""  # why it did not pass everything, for reward_errors
+    seconds: float = 0.0
+    output: str = ""  # the code's own output (capped), for debugging
+    isolation: str = ""
+    details: list[str] = field(default_factory=list)  # "fail: why" per failed test
+
+    @property
+    def score(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+    @property
+    def infra(self) -> bool:
+        return self.status == "infra"
 
 
 def communicate(proc: subprocess.Popen, stdin: tuple[bytes, bytes], limits: SandboxLimits,
