@@ -1,4 +1,4 @@
-"""Precision chosen by the machine: what `auto` means for `rollout.dtype`,
+"""Precision chosen by the machine: what `auto` means for `engine.dtype`,
 `learner.precision` and `algorithm.correction`.
 
     choice = resolve("auto", "auto", "auto", shapes=ModelShapes.of(model), device="cpu")
@@ -397,7 +397,7 @@ def resolve(rollout: str, learner: str, correction: str, *, shapes: ModelShapes 
 def _warn_emulated(p: Probe, rollout: str, learner: str, echo) -> None:
     slow = []
     if rollout == "bfloat16":
-        slow.append(f"rollout.dtype='bfloat16' ran at {p.speedup('rollout', 'bfloat16'):.2f}x "
+        slow.append(f"engine.dtype='bfloat16' ran at {p.speedup('rollout', 'bfloat16'):.2f}x "
                     "float32's speed")
     if learner == "bf16-autocast":
         slow.append(f"learner.precision='bf16-autocast' at "
