@@ -183,9 +183,11 @@ class RemoteRollout:
                               "(engine.name='remote' needs the trainer that writes one)")
         body = {"path": str(weights.handle), "version": weights.version, "mode": self.sync,
                 "timeout_s": self.servers.timeout_s}
-        calls = [self._pool.submit(self.servers.post, "/v1/weights/update", body, first=i,
-                                   spread=False) for i in range(len(self.servers.urls))]
-        answers = [f.result() for f in calls]
+        # threads of its own: generate calls in flight (asynchronous driver) may hold the pool
+        with ThreadPoolExecutor(len(self.servers.urls)) as pool:
+            answers = list(pool.map(lambda i: self.servers.post(
+                "/v1/weights/update", body, first=i, spread=False),
+                range(len(self.servers.urls))))
         phases: dict[str, float] = {}
         for answer, _ in answers:  # the slowest server's seconds in each phase it names
             for k, v in (answer.get("phases") or {}).items():
