@@ -172,8 +172,10 @@ class RemoteRollout:
         phases, self._phases = self._phases, {}
         out = sum(rounds, RolloutFigures()).metrics() if rounds else {}
         out.pop("rollout_forward_passes", None)
+        # the round trip under its own name: publish_seconds holds it already (publish
+        # waits for the servers), so weights_load_seconds would count it twice
         return out | calls.metrics() | phases | {"remote_retries": self.servers.take_retries(),
-                                                 "weights_load_seconds": load}
+                                                 "remote_weights_update_seconds": load}
 
     def publish(self, weights: Published) -> None:
         """Every server loads the folder `weights.handle` as `weights.version` (all at
