@@ -179,6 +179,23 @@ def test_remote_matches_in_process_and_the_server_follows_the_trainer(tmp_path, 
     assert all(r["weights_bytes"] > 0 and r["remote_http_seconds"] > 0 for r in trains)
 
 
+def test_async_against_a_server_rolls_out_ahead_within_the_bound(tmp_path, server):
+    """The server holds its own copy of the weights, so the next step's rollouts run there
+    while this step trains: with max_staleness 1 no trained token lags more than one
+    version, nothing is lost, and the run ends at the last version."""
+    cfg = remote(tmp_path, server.url, "schedule.mode='async'", "schedule.max_staleness=1",
+                 "run.num_steps=3", "eval.every=0")
+    run_config(cfg, "async")
+    trains = records(tmp_path / "async", "train")
+    assert [r["step"] for r in trains] == [1, 2, 3]
+    assert all(r["staleness_hist_2"] == r["staleness_hist_3plus"] == 0 for r in trains)
+    assert all(r["step"] - 1 - r["rollout_started_version"] <= 1 for r in trains)
+    assert any(r["step"] - 1 - r["rollout_started_version"] == 1 for r in trains[1:])
+    assert all(r["traj_requested"] == r["traj_trained"] + r["traj_filtered"]
+               + r["traj_stale_dropped"] for r in trains)
+    assert server.version() == 3
+
+
 def test_an_update_in_abort_mode_cuts_samples_that_are_sent_again_to_finish(tmp_path, server):
     """Weights loaded with mode 'abort' while a group generates: its samples stop, come
     back partial and are sent again from where they stopped, ending with tokens of both

@@ -42,6 +42,7 @@ from rollwise.compose.parts import (
 from rollwise.compose.precision import PrecisionChoice
 from rollwise.control import Controller, UniformSampler
 from rollwise.engine.base import Engine
+from rollwise.learner.sft import SftSettings
 from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Episodes, Evaluator, Generated
 from rollwise.pipeline.stages import BuildInfo, Stages, encode_prompts
@@ -113,7 +114,7 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
         advantage_options=dict(a.advantage_options),
         group_rewards=build_group_terms(cfg, rewards or {}), mask_truncated=a.mask_truncated,
         kl_in_reward=a.kl_coef if a.kl_in_reward else 0.0,
-        resources=[*resources, scoring.eval_pool])
+        resources=[*resources, scoring.eval_pool], sft=_sft(cfg, precision))
 
 
 def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,
@@ -133,6 +134,17 @@ def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,
                                   fetch=control.extra if task.env is None else None)
     # the evaluator reads the rollout engine's weights
     return rollout, build_learner(cfg, policy, precision), [train_pool], rollout.engine
+
+
+def _sft(cfg: Config, precision: PrecisionChoice) -> tuple[str, SftSettings] | None:
+    """The warm start's demonstrations and settings ([sft]), or None when it is off."""
+    s = cfg.sft
+    if not s.path:
+        return None
+    return s.path, SftSettings(
+        steps=s.steps, epochs=s.epochs, lr=s.lr, batch_size=s.batch_size,
+        max_tokens=s.max_tokens, log_every=s.log_every, seed=cfg.run.seed,
+        bf16_autocast=precision.learner == "bf16-autocast")
 
 
 def _placement(cfg: Config) -> dict[str, Any]:
@@ -199,12 +211,13 @@ def check_run_config(cfg: Config) -> None:
     from rollwise.compose.config import ConfigError
 
     s, backend = cfg.schedule, cfg.run.backend
-    if s.mode == "async" and backend == "local" and s.max_staleness > 0:
+    own_weights = backend == "ray" or cfg.engine.name == "remote"  # engines with their copy
+    if s.mode == "async" and s.max_staleness > 0 and not own_weights:
         raise ConfigError(
             f"schedule.mode='async' with schedule.max_staleness={s.max_staleness} needs "
-            "run.backend='ray': in one process the engine reads the learner's weights, which "
-            "an update changes in place while the next rollouts run (max_staleness=0 runs "
-            "locally, and is synchronous training)")
+            "run.backend='ray' or engine.name='remote': in one process the engine reads the "
+            "learner's weights, which an update changes in place while the next rollouts run "
+            "(max_staleness=0 runs locally, and is synchronous training)")
     if backend == "local" and cfg.ray.num_workers > 1:
         raise ConfigError(f"ray.num_workers={cfg.ray.num_workers} needs "
                           "run.backend='ray' (the local backend has one engine)")
