@@ -107,6 +107,20 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
     console.print(_done_line(summary, root), highlight=False, soft_wrap=True)
 
 
+@app.command()
+def sft(config: Annotated[Path, typer.Argument(help="TOML config file with an [sft] path.")],
+        set_: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None):
+    """Only the warm start ([sft]) into a new run directory, then one held-out evaluation;
+    `rollwise train --resume DIR --set run.num_steps=N` continues it with RL."""
+    overrides = [*(set_ or []), "run.num_steps=0", "eval.before=false"]
+    try:
+        if not load_config(config, overrides).sft.path:
+            _fail(f"{config}: sft.path is not set; nothing to warm-start from")
+    except ConfigError as e:
+        _fail(str(e))
+    train(config, overrides)
+
+
 def _done_line(summary: dict, root: Path) -> str:
     """The last line of `rollwise train`: accuracy before -> after, time, where it all is."""
     before = summary.get("eval_before", {}).get("accuracy")

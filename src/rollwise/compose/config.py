@@ -38,6 +38,7 @@ from rollwise.compose.sections import (
     RunConfig,
     ScheduleConfig,
     Section,
+    SftConfig,
     TaskConfig,
 )
 
@@ -57,6 +58,7 @@ class Config(Section):
     control: ControlConfig = Field(default_factory=ControlConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
 
 
 class ConfigError(ValueError):

@@ -30,6 +30,7 @@ def check_config(cfg: Config, functions: Mapping[str, Callable] | None = None) -
     _check_task_and_model(cfg)
     _check_combinations(cfg)
     check_device(cfg.run.device)
+    _check_sft(cfg)
     if cfg.engine.decode_step == "graph" and not cfg.run.device.startswith("cuda"):
         raise ConfigError(f"engine.decode_step = 'graph' captures CUDA graphs: it needs "
                           f"run.device = 'cuda' (here {cfg.run.device!r}); 'auto' picks "
@@ -157,6 +158,21 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.engine.name != "native" and needs:
         raise ConfigError(f"{', '.join(needs)} needs the native engine "
                           "(engine.name='native')")
+
+
+def _check_sft(cfg: Config) -> None:
+    """[sft]: demonstrations that read, and a learner in this process."""
+    from rollwise.learner.sft import DemonstrationError, read_demonstrations
+
+    if not cfg.sft.path:
+        return
+    if cfg.run.backend == "ray":
+        raise ConfigError("sft.path: the warm start trains the learner in this process; "
+                          "run.backend = 'ray' is not supported")
+    try:
+        read_demonstrations(cfg.sft.path)
+    except DemonstrationError as e:
+        raise ConfigError(f"sft.path: {e}") from None
 
 
 def _check_remote(cfg: Config) -> None:

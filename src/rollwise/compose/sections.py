@@ -230,6 +230,24 @@ class EpisodesConfig(Section):
         "publication and first under memory pressure).")
 
 
+class SftConfig(Section):
+    """A supervised warm start on chat demonstrations before RL step 0 of a new run (not
+    again on resume); off while `path` is unset (docs/agents.md)."""
+
+    path: str | None = Field(
+        None, description="JSONL of demonstrations, one {\"messages\": [{\"role\", "
+        "\"content\"}, ...]} a line; the assistant turns are learned, tool results are "
+        "role \"tool\" messages.")
+    steps: int = Field(
+        0, ge=0, description="Optimizer steps (0: `epochs` passes over the demonstrations).")
+    epochs: int = Field(1, ge=1, description="Passes over the demonstrations when steps = 0.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (its own optimizer).")
+    batch_size: int = Field(8, ge=1, description="Demonstrations per optimizer step.")
+    max_tokens: int = Field(
+        1024, ge=2, description="A demonstration's tokens at most; longer ones are cut.")
+    log_every: int = Field(5, ge=1, description="Optimizer steps per 'sft' metrics record.")
+
+
 class RayConfig(Section):
     """Placement on Ray, read when run.backend = 'ray' (docs/scaling.md)."""
 

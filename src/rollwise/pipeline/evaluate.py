@@ -118,6 +118,7 @@ class Evaluator:
         }
         if any(t.turns for t in trajs):  # episodes
             out["mean_turns"] = sum(t.num_turns for t in trajs) / len(trajs)
+            out["multi_turn"] = sum(t.num_turns > 1 for t in trajs) / len(trajs)
         if stats.num_errors or stats.num_timeouts or stats.num_infra:
             out["reward_failures"] = float(stats.num_errors + stats.num_timeouts
                                            + stats.num_infra)

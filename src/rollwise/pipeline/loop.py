@@ -5,6 +5,7 @@
         (the allocator sees each round's scores and may ask for another round, and picks
         the groups to train on: DAPO's dynamic sampling is the 'dynamic' allocator;
         docs/allocation.md)
+    a new run with [sft] first learns its demonstrations (checkpointed as step 0);
     evaluate before and after (and every N steps); checkpoint every N steps or minutes, at
     the end, and on Ctrl-C (always the state after the last completed step).
 """
@@ -45,6 +46,8 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
     `steps`: how a step runs (`SyncSteps`, or the asynchronous driver's)."""
     try:
         start = run.resume(stages)  # 0 for a new run, else the step of the last checkpoint
+        if start == 0 and stages.sft is not None and "sft" not in run.summary:
+            warm_start(stages, run)
         with run.progress(start, num_steps):
             if start == 0 and eval_before:
                 evaluate(stages, run, 0, before=True)
@@ -71,6 +74,16 @@ def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
         run.close()
         raise
     return run.finish()
+
+
+def warm_start(stages: Stages, run: Run) -> None:
+    """The supervised warm start ([sft]) of a new run, checkpointed as step 0 once done;
+    interrupted, nothing of it is kept."""
+    figures = None
+    try:
+        figures = stages.warm_start(run.record_sft)
+    finally:
+        run.warm_started(stages, figures)
 
 
 def evaluate(stages: Stages, run: Run, step: int, before: bool = False,

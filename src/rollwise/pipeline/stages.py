@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from rollwise.control import Controller, Request, UniformSampler
+from rollwise.envs.render import TurnRenderer
 from rollwise.learner import prepare_batch
+from rollwise.learner.sft import SftSettings, encode_demonstration, read_demonstrations, train_sft
 from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Evaluator
 from rollwise.pipeline.ports import RolloutPort, TrainerPort
@@ -69,6 +71,7 @@ class Stages:
     mask_truncated: bool = False
     kl_in_reward: float = 0.0  # KL coefficient of the KL-in-reward penalty (0: off)
     resources: list[Closeable] = field(default_factory=list)  # closed with the stages
+    sft: tuple[str, SftSettings] | None = None  # demonstrations before RL (path, settings)
 
     @property
     def model(self):
@@ -140,6 +143,26 @@ class Stages:
     def evaluate(self) -> dict[str, float]:
         self._sync_driver()
         return self.evaluator()
+
+    def warm_start(self, log: Callable[[dict], None]) -> dict:
+        """Supervised steps on the [sft] demonstrations, tokenized as episodes are, then
+        published to the rollout side; `log` gets a record per logging interval."""
+        path, settings = self.sft
+        model = getattr(self.learner, "model", None)
+        if model is not self.policy.model:
+            raise ValueError("[sft] trains the learner in this process; run.backend = 'ray' "
+                             "is not supported")
+        p = self.policy
+        renderer = TurnRenderer(p.tokenizer, p.chat, p.stop_ids)
+        rows = [encode_demonstration(m, p, renderer.observation_ids)
+                for m in read_demonstrations(path)]
+        pad = p.tokenizer.pad_token_id
+        figures = train_sft(model, rows, p.tokenizer.eos_token_id if pad is None else pad,
+                            settings, log)
+        version = self.rollout_stage.version
+        self.publish(version)
+        self.evaluator.publish(version)
+        return figures
 
     def _sync_driver(self) -> None:
         """The driver's policy brought to the latest published version (a trainer in

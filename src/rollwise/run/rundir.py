@@ -328,6 +328,24 @@ class Run:
         self.echo(f"eval {label}: greedy accuracy {result['accuracy']:.3f} "
                   f"({int(result['num_prompts'])} prompts, {result['seconds']:.1f}s)")
 
+    def record_sft(self, figures: dict) -> None:
+        """One logging interval of the warm start ([sft]): a "sft" record and a line."""
+        self._log({"kind": "sft", "step": 0, **figures})
+        self.echo(f"sft {figures['sft_step']}/{figures['sft_steps']}: loss "
+                  f"{figures['loss']:.4f}, token accuracy {figures['token_accuracy']:.3f}, "
+                  f"{figures['tokens']} tokens, {figures['seconds']:.1f}s")
+
+    def warm_started(self, stages, figures: dict | None) -> None:
+        """The warm start is done: the run remembers it (a resumed run does not redo it)
+        and checkpoints its weights as step 0. `None`: it was interrupted; nothing of it
+        is kept (a resumed run starts over)."""
+        if figures is None:
+            self._snap = None
+            return
+        self.summary["sft"] = figures
+        self.snapshot(stages)
+        self.checkpoint(0, stages)
+
     def _log(self, record: dict) -> None:
         self.metrics.write(record)
         if self.loggers is not None:
