@@ -4,7 +4,6 @@ mid-step, a dead learner and --resume, clear errors for a wrong address or no Ra
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -15,12 +14,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rollwise.pipeline.build import build, run_steps
-from rollwise.compose.config import ConfigError, load_config, to_toml
+from rollwise.compose.config import ConfigError, load_config
 from rollwise.distributed.cluster import connect, probe, worker_env
-from rollwise.pipeline.loop import train
+from rollwise.pipeline.build import build
 from rollwise.replay import TrajectoryStore
-from rollwise.run.rundir import Run
+from runs import records, run_config
 
 pytestmark = pytest.mark.ray
 
@@ -44,23 +42,6 @@ def small(tmp_path: Path, *extra: str):
     return load_config(CONFIG, [f"run.output_dir='{tmp_path}'", "run.num_steps=3",
                                 "run.threads=1", "rollout.prompts_per_step=4",
                                 "task.num_eval=24", "eval.every=2", *extra])
-
-
-def records(root: Path, kind: str | None = None) -> list[dict]:
-    out = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in out if kind is None or r["kind"] == kind]
-
-
-def run_config(cfg, name: str, *, stages=None, resume: bool = False) -> dict:
-    cfg.run.name = name
-    stages = stages or build(cfg)
-    run = Run(Path(cfg.run.output_dir) / name, resume=resume, config_toml=to_toml(cfg),
-              echo=lambda s: None)
-    try:
-        return train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
-                     checkpoint_every=cfg.run.checkpoint_every, steps=run_steps(cfg))
-    finally:
-        stages.close()
 
 
 def assert_flow(trains: list[dict]) -> None:

@@ -5,7 +5,6 @@ config in process, the server's version following the trainer, a server killed m
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -16,18 +15,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollwise.compose.config import ConfigError, load_config, to_toml
+from rollwise.compose.config import ConfigError, load_config
 from rollwise.engine.base import SamplingParams
 from rollwise.learner.files import write_weights
 from rollwise.models import load_policy
-from rollwise.pipeline.build import build, run_steps
-from rollwise.pipeline.loop import train
+from rollwise.pipeline.build import build
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
 from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import RemoteError, Servers
-from rollwise.run.rundir import Run
 from rollwise.types import EncodedPrompt, Published, Sample
+from runs import records, run_config
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 TIMING = ("time", "seconds", "_per_s", "makespan", "tail_s", "publish", "eta", "peak_rss",
@@ -110,11 +108,6 @@ def remote(tmp_path: Path, url: str, *extra: str):
                  "engine.remote_timeout_s=30", *extra)
 
 
-def records(root: Path, kind: str | None = None) -> list[dict]:
-    out = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in out if kind is None or r["kind"] == kind]
-
-
 def trajectories(root: Path, step: int) -> list[tuple]:
     """(prompt, response ids, reward, log-probs) of each trajectory of `step`."""
     store = TrajectoryStore(root / "trajectories.sqlite")
@@ -131,18 +124,6 @@ def same(x, y) -> bool:
     if isinstance(x, float) or isinstance(y, float):
         return y == pytest.approx(x, rel=1e-4, abs=1e-6)
     return x == y
-
-
-def run_config(cfg, name: str, *, stages=None, resume: bool = False) -> dict:
-    cfg.run.name = name
-    stages = stages or build(cfg)
-    run = Run(Path(cfg.run.output_dir) / name, resume=resume, config_toml=to_toml(cfg),
-              echo=lambda s: None)
-    try:
-        return train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
-                     checkpoint_every=cfg.run.checkpoint_every, steps=run_steps(cfg))
-    finally:
-        stages.close()
 
 
 def test_remote_matches_in_process_and_the_server_follows_the_trainer(tmp_path, server):
