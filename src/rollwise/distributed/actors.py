@@ -15,13 +15,15 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from rollwise.rewards import RewardPool, RewardStats
+from rollwise.rollout.figures import RolloutFigures
 from rollwise.system.runtime import configure as configure_runtime
-from rollwise.types import Published, Trajectory
+from rollwise.types import Group, Published, Trajectory
 
 
 def _config(data: dict):
@@ -53,6 +55,17 @@ def load_plain(model, state: dict) -> None:
         warnings.simplefilter("ignore")  # read-only arrays of the object store: copied
         for k, v in state.items():
             own[k].copy_(torch.as_tensor(v) if isinstance(v, np.ndarray) else v)
+
+
+@dataclass
+class RolloutReply:
+    """What a rollout worker answers for one share of a step: its groups, scored."""
+
+    groups: list[Group]
+    stats: RewardStats  # the scoring's counts
+    figures: list[RolloutFigures]  # the scheduler's figures of each round
+    weights_load_seconds: float  # loading the weights of the asked version first (0: held)
+    pid: int  # the worker process (another one: Ray restarted the worker and re-ran this)
 
 
 class RemoteScorer:
@@ -106,9 +119,8 @@ class RolloutWorker:
             if first_uid is not None and self.stage.scheduler is not None:
                 self.stage.scheduler.number_groups_from(first_uid)
             groups = self.stage.run(prompts, [int(n) for n in sizes])
-            stats = self.stage.score(groups)
-            return groups, stats, self.stage.take_figures(), {
-                "weights_load_seconds": loaded, "pid": os.getpid()}
+            return RolloutReply(groups, self.stage.score(groups), self.stage.take_figures(),
+                                weights_load_seconds=loaded, pid=os.getpid())
         finally:
             self.busy = False
 

@@ -75,16 +75,16 @@ class RayRollout:
                                   [weights.handle])
                  for w, a, b in zip(self.workers, bounds, bounds[1:])]
         groups: list[Group] = []
-        for i, (out, stats, figures, info) in enumerate(self.ray.get(calls)):
+        for i, reply in enumerate(self.ray.get(calls)):
             with self._lock:
-                if out:
-                    self._pending[id(out[0])] = stats
-                self._figures += figures
-                self._load_s = max(self._load_s, info["weights_load_seconds"])
-                if info["pid"] != self._pids[i]:  # restarted: Ray re-ran the call
+                if reply.groups:
+                    self._pending[id(reply.groups[0])] = reply.stats
+                self._figures += reply.figures
+                self._load_s = max(self._load_s, reply.weights_load_seconds)
+                if reply.pid != self._pids[i]:  # restarted: Ray re-ran the call
                     self.restarts += 1
-                    self._pids[i] = info["pid"]
-            groups += out
+                    self._pids[i] = reply.pid
+            groups += reply.groups
         return groups
 
     def score(self, groups: list[Group]) -> RewardStats:
