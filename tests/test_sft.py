@@ -110,6 +110,10 @@ def test_a_malformed_line_names_the_file_and_line(tmp_path):
     cfg = load_config(None, ["model.name='tiny'", f"sft.path='{tmp_path / 'c.jsonl'}'"])
     with pytest.raises(ConfigError, match=r"sft\.path: .*c\.jsonl:1"):
         check_config(cfg)
+    ray = load_config(None, ["model.name='tiny'", "run.backend='ray'",
+                             f"sft.path='{tmp_path / 'b.jsonl'}'"])
+    with pytest.raises(ConfigError, match=r"sft\.path: .*not supported"):
+        check_config(ray)
 
 
 def test_a_resumed_run_does_not_redo_the_warm_start(tmp_path, monkeypatch):

@@ -166,9 +166,10 @@ def _check_sft(cfg: Config) -> None:
 
     if not cfg.sft.path:
         return
-    if cfg.run.backend == "ray":
-        raise ConfigError("sft.path: the warm start trains the learner in this process; "
-                          "run.backend = 'ray' is not supported")
+    if cfg.run.backend == "ray" or cfg.engine.name == "remote":
+        raise ConfigError("sft.path: the warm start trains the learner and the engine in "
+                          "this process; run.backend = 'ray' and engine.name = 'remote' are "
+                          "not supported (yet)")
     try:
         read_demonstrations(cfg.sft.path)
     except DemonstrationError as e:

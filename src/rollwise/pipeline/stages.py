@@ -151,7 +151,7 @@ class Stages:
         model = getattr(self.learner, "model", None)
         if model is not self.policy.model:
             raise ValueError("[sft] trains the learner in this process; run.backend = 'ray' "
-                             "is not supported")
+                             "and engine.name = 'remote' are not supported")
         p = self.policy
         renderer = TurnRenderer(p.tokenizer, p.chat, p.stop_ids)
         rows = [encode_demonstration(m, p, renderer.observation_ids)
