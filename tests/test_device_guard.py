@@ -48,6 +48,7 @@ ALLOWED = {
     "lists, moved with .to(device) before it is returned",
     ("learner/prepare.py", "prepare_batch"): "host-side batch records (moved by take_rows)",
     ("learner/prepare.py", "episode_inputs"): "host-side batch records (moved by take_rows)",
+    ("learner/prepare.py", "ref_values"): "host-side batch records (moved by take_rows)",
 }
 
 

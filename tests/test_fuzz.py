@@ -203,8 +203,13 @@ def batches(draw):
 def _estimators(batch, name):
     rewards, group_ids, t, lengths = batch
     mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
+    gen = torch.Generator().manual_seed(int(lengths.sum()) + t)
+    n = rewards.shape[0]
     inputs = AdvantageInputs(mask=mask, lengths=lengths.float(),
-                             token_rewards=torch.zeros_like(mask))
+                             token_rewards=torch.zeros_like(mask),
+                             logprobs=-torch.rand(n, t, generator=gen) * 5 * mask,
+                             input_ids=torch.randint(0, 4, (n, t), generator=gen),
+                             ref_values=torch.rand(n, generator=gen))
     try:
         adv, _ = call_estimator(advantage_estimators[name], rewards, group_ids, inputs)
     except ValueError as e:

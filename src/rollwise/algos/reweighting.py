@@ -148,7 +148,8 @@ def uniqueness(rewards: torch.Tensor, group_ids: torch.Tensor, *, input_ids: tor
         if len(pos) < 2:
             continue
         sets = [ngrams(input_ids[i][mask[i] > 0].tolist(), ngram) for i in pos.tolist()]
-        sizes = torch.tensor(cluster_sizes(sets, similarity), dtype=torch.float64)
+        sizes = torch.tensor(cluster_sizes(sets, similarity), dtype=torch.float64,
+                             device=base.device)
         w = sizes.pow(-alpha)
         w = w / w.mean()
         factor[pos] = torch.where(base[pos].detach() > 0, w, torch.ones_like(w))

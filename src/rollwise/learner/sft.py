@@ -121,13 +121,11 @@ def sft_loss(model, rows: list[tuple[list[int], list[int]]], pad_id: int,
     right-padded `rows` of (ids, mask)."""
     device = next(model.parameters()).device
     width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for r, (x, m) in enumerate(rows):
-        ids[r, :len(x)], attention[r, :len(x)] = torch.tensor(x), 1
-        mask[r, :len(m)] = torch.tensor(m, dtype=torch.bool)
-    ids, attention, mask = ids.to(device), attention.to(device), mask.to(device)
+    padded = [(x + [pad_id] * (width - len(x)), [1] * len(x) + [0] * (width - len(x)),
+               m + [0] * (width - len(m))) for x, m in rows]
+    ids = torch.tensor([x for x, _, _ in padded], dtype=torch.long, device=device)
+    attention = torch.tensor([a for _, a, _ in padded], dtype=torch.long, device=device)
+    mask = torch.tensor([m for _, _, m in padded], dtype=torch.bool, device=device)
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
     target, keep = ids[:, 1:], mask[:, 1:]
     picked = logits[keep].float()
