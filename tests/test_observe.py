@@ -280,3 +280,23 @@ def test_report_plots_off_policy_metrics_of_partial_runs(tmp_path):
         w.write(r | ({"offpolicy_token_frac": 0.0} if r["kind"] == "train" else {}))
     w.close()
     assert "off-policy tokens" not in write_report(on_policy).read_text()  # nothing to show
+
+
+def test_report_plots_the_requests_of_a_run_against_inference_servers(tmp_path):
+    """The per-request traces of a remote run (queue, prefill, decode, round trip, weight
+    update) get their figure; a run in process has none of those keys and no such figure."""
+    remote = {"remote_queue_seconds": 0.01, "remote_prefill_seconds": 0.02,
+              "remote_decode_seconds": 0.3, "remote_http_seconds": 0.35,
+              "remote_weights_update_seconds": 0.8}
+    pages = {}
+    for name, extra in (("remote", remote), ("local", {})):
+        run = tmp_path / name
+        run.mkdir()
+        w = MetricsWriter(run)
+        for r in _metrics():
+            w.write(r | (extra if r["kind"] == "train" else {}))
+        w.close()
+        pages[name] = write_report(run).read_text()
+    assert "requests on the inference servers" in pages["remote"]
+    assert "requests on the inference servers" not in pages["local"]
+    assert pages["remote"].count("<img") == pages["local"].count("<img") + 1

@@ -148,6 +148,7 @@ def run_figures(
     candidates.append(_time_figure(train))
     candidates.append(_offpolicy_figure(train))
     candidates.append(_capacity_figure(train))
+    candidates.append(_requests_figure(train))
     candidates.extend(_eval_figures(evals))
     return [(caption, png) for caption, png in candidates if png is not None]
 
@@ -244,6 +245,23 @@ def _offpolicy_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
         return "off-policy tokens and their correction", None
     return ("off-policy tokens (partial rollouts) and their correction",
             plots.line_plot(series, "step", "value", "off-policy tokens and correction"))
+
+
+REQUEST_KEYS = {"queued": "remote_queue_seconds", "prefill": "remote_prefill_seconds",
+                "decode": "remote_decode_seconds", "round trip": "remote_http_seconds",
+                "slowest round trip": "remote_http_seconds_max",
+                "weight update": "remote_weights_update_seconds"}
+
+
+def _requests_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Runs against inference servers: each step's mean seconds per request in the server's
+    queue, prefill and decode, the HTTP round trip, and the weight update."""
+    caption = "requests on the inference servers (mean seconds per request, per step)"
+    series = {label: pts for label, key in REQUEST_KEYS.items()
+              if (pts := _points(train, "step", key))}
+    if not series:
+        return caption, None
+    return caption, plots.line_plot(series, "step", "seconds", "requests per step")
 
 
 def _capacity_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
