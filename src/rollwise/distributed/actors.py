@@ -110,6 +110,13 @@ class RolloutWorker:
     def is_busy(self) -> bool:
         return self.busy
 
+    def state(self):
+        """The rollout stage's state between steps (a partial strategy's pool, as plain data)."""
+        return self.stage.state_dict()
+
+    def load_state(self, state) -> None:
+        self.stage.load_state_dict(state)
+
     def rollout(self, prompts, sizes, first_uid, version, weights):
         """Groups for `prompts`, scored; the weights of `version` loaded first when this
         worker holds another (`weights`: [the object store reference])."""

@@ -109,16 +109,25 @@ class RayRollout:
             self._weights = weights
 
     def state_dict(self) -> dict[str, Any] | None:
-        """The workers keep no pool when the driver numbers groups: the next group number
-        is the state. Partial rollouts' pools live in the workers and are not checkpointed."""
-        if not self.numbered:
-            return None
+        """Every worker's rollout state, in worker order (a partial strategy's pool of
+        unfinished groups, the previous responses `spec_reuse` drafts from, its own group
+        numbering), and the driver's next group number when it numbers the groups."""
+        workers = self.ray.get([w.state.remote() for w in self.workers])
         with self._lock:
-            return {"uid": self._uid}
+            return {"uid": self._uid, "workers": workers}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if self.numbered and state:
-            self._uid = state["uid"]
+        if not state:
+            return
+        pools = state.get("workers", [])
+        if pools and len(pools) != len(self.workers):
+            raise ValueError(
+                f"this checkpoint holds the rollout state of {len(pools)} rollout workers "
+                f"(partial pools, previous responses); resume it with ray.num_workers = "
+                f"{len(pools)} (now {len(self.workers)}), or that state would be lost")
+        self.ray.get([w.load_state.remote(s) for w, s in zip(self.workers, pools)])
+        with self._lock:
+            self._uid = state.get("uid", self._uid)
 
     def worker_pids(self) -> list[int]:
         return list(self._pids)
