@@ -121,7 +121,7 @@ def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,
            control: Controller, scoring: _Scoring, train_pool: RewardPool | None):
     """The two ports where run.backend and engine.name put them: (rollout, trainer, what
     closes with them, the rollout engine the evaluator reads its weights from or None)."""
-    if train_pool is None:
+    if cfg.run.backend == "ray":  # the reward actor holds the training pool
         from rollwise.distributed import place_on_ray
 
         rollout, trainer, connection = place_on_ray(cfg, policy, precision, scoring.specs,
