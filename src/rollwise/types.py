@@ -96,6 +96,10 @@ class Completion:
     finish_reason: FinishReason  # "stop" | "length" | "abort"
     versions: list[int] = field(default_factory=list)  # [T] policy version that sampled each
     request_id: int = -1  # the engine's id for the request (native engine)
+    # Filled only when SamplingParams asks (top_logprobs > 0, entropy): per token, the k most
+    # likely (id, log-prob) and the entropy of the model's temperature-1, untruncated distribution
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    entropies: list[float] | None = None
 
     def age(self, version: int) -> int:
         """Policy versions between the oldest token and `version` (0 without tokens)."""

@@ -28,6 +28,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
     seed: int | None = None  # reproducible sampling
+    # per-token statistics of the model's distribution (temperature 1, before truncation) at
+    # every sampled position, returned in the Completion; computed only for rows that ask
+    top_logprobs: int = 0  # the k most likely tokens and their log-probs (0: off)
+    entropy: bool = False  # the distribution's entropy (nats)
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """The native engine: continuous batching over a token-budgeted KV cache, one shared prompt
 prefill per group, abort and resume, exact behaviour log-probs, per-token policy versions,
-speculative verification of drafts, and divided rollout (chunks with parking).
+speculative verification of drafts, divided rollout (chunks with parking), and per-token
+statistics on request (`SamplingParams.top_logprobs`, `entropy`: computed from the logits
+of the rows that ask, on every path a token is drawn: the first token from the prompt's
+logits, decode steps, and the verifier; a step where no row asks computes nothing extra).
 
     engine = NativeEngine(policy.model, kv_budget_tokens=65536, max_num_seqs=128)
     outs = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=256))
@@ -30,7 +33,7 @@ from rollwise.engine.base import Drafter, EngineStats, SamplingParams
 from rollwise.engine.decoder import Decoder
 from rollwise.engine.kvcache import KVCache
 from rollwise.engine.requests import Group, Request
-from rollwise.engine.sampling import derive_seed, draw
+from rollwise.engine.sampling import derive_seed, draw, token_stats
 from rollwise.engine.step import DecodeStep
 from rollwise.engine.verifier import DraftVerifier
 from rollwise.types import Completion
@@ -73,8 +76,9 @@ class NativeEngine:
         self.admission = Admission(self.cache, self.stats, kv_budget_tokens=kv_budget_tokens,
                                    max_num_seqs=max_num_seqs)
         self.decode_step = DecodeStep(self.decoder, self.cache, step_mode)
-        self.verifier = DraftVerifier(self.decoder, self.cache, self.stats, self._emit,
-                                      spec_tokens=spec_tokens, spec_max_batch=spec_max_batch)
+        self.verifier = _NotingVerifier(self.decoder, self.cache, self.stats, self._emit,
+                                        spec_tokens=spec_tokens, spec_max_batch=spec_max_batch)
+        self.verifier.note = self._note_stats
         self._next_id = 0
 
     @property
@@ -138,6 +142,7 @@ class NativeEngine:
             req.tokens = list(resume.token_ids)
             req.logprobs = list(resume.logprobs)
             req.versions = list(resume.versions) or [self.version] * done
+        self._ask_stats(req, resume)
         if draft:
             room = params.max_tokens - done
             req.draft = list(draft[:room])
@@ -231,9 +236,11 @@ class NativeEngine:
         start = time.perf_counter()
         plain = [r for r in fresh if not r.draft]
         if plain:
-            draws = self._draw(plain, torch.stack([r.group.logits for r in plain]))
-            for i, (tok, lp) in draws.items():
+            logits = torch.stack([r.group.logits for r in plain])
+            before = [len(r.tokens) for r in plain]
+            for i, (tok, lp) in self._draw(plain, logits).items():
                 self._emit(plain[i], [tok], [lp])
+            self._note_stats(plain, logits, before)
         for r in fresh:
             if r.draft:
                 self.verifier.accept(r, r.group.logits[None])
@@ -298,14 +305,50 @@ class NativeEngine:
             for r, tok, lp in zip(reqs, ids, lps):
                 self._emit(r, [int(tok)], [lp])
         else:
+            before = [len(r.tokens) for r in reqs]
             for idx, (tok, lp) in self._draw(reqs, logits).items():
                 self._emit(reqs[idx], [tok], [lp])
+            self._note_stats(reqs, logits, before)
         self.stats.decode_seconds += time.perf_counter() - start
 
     def _draw(self, reqs: list[Request], logits: torch.Tensor) -> dict[int, tuple[int, float]]:
         """Each request's next token from its row of `logits`, by its sampling settings."""
         settings = [(r.params.temperature, r.params.top_k, r.params.top_p) for r in reqs]
         return draw(logits, settings, [r.seed for r in reqs], [len(r.tokens) for r in reqs])
+
+    def _ask_stats(self, req: Request, resume: Completion | None) -> None:
+        """Start the per-token statistics lists of a request whose params ask for them (a
+        resumed one continues its own, which must cover every token it already has)."""
+        p, done = req.params, len(req.tokens)
+        for name, asked in (("top_logprobs", p.top_logprobs > 0), ("entropies", p.entropy)):
+            if not asked:
+                continue
+            have = getattr(resume, name, None) if resume is not None else None
+            if done and (have is None or len(have) != done):
+                raise ValueError(f"resumed request asks for {name} but its Completion does "
+                                 f"not carry them for its {done} tokens")
+            setattr(req, name, list(have) if done else [])
+
+    def _note_stats(self, reqs: list[Request], logits: torch.Tensor, before: list[int],
+                    starts: list[int] | None = None) -> None:
+        """Record per-token statistics for the requests among `reqs` that ask: request i's
+        tokens after `before[i]` were drawn from rows starts[i], starts[i] + 1, ... of
+        `logits` (default row i). Nothing runs when no request asks."""
+        starts = range(len(reqs)) if starts is None else starts
+        picks, owners = [], []
+        for r, b, s in zip(reqs, before, starts):
+            if r.wants_stats and not r.zombie:
+                new = len(r.tokens) - b
+                picks += range(s, s + new)
+                owners += [r] * new
+        if not picks:
+            return
+        top, ent = token_stats(logits[picks], max(r.params.top_logprobs for r in owners))
+        for r, t, e in zip(owners, top, ent):
+            if r.top_logprobs is not None:
+                r.top_logprobs.append(t[: r.params.top_logprobs])
+            if r.entropies is not None:
+                r.entropies.append(e)
 
     def _emit(self, r: Request, tokens: list[int], lps: list[float]) -> None:
         """Append tokens up to the first stop or the length limit; the last is pending."""
@@ -334,3 +377,17 @@ class NativeEngine:
                 done.add(i)
         self.admission.retire(done, static)
         return finished
+
+
+class _NotingVerifier(DraftVerifier):
+    """The draft verifier, recording the per-token statistics of the tokens it emits for
+    requests that ask (a resumed or preempted row's first token and accepted drafts come
+    through here). `note` is the engine's `_note_stats`."""
+
+    note = None
+
+    def accept(self, r: Request, logits: torch.Tensor) -> None:
+        before = len(r.tokens)
+        super().accept(r, logits)
+        if r.wants_stats:
+            self.note([r], logits, [before], [0])

@@ -44,6 +44,13 @@ class Request:
     parked: torch.Tensor | None = None  # [layers, 2, kv_heads, cached, head_dim] when parked
     zombie: bool = False  # static batching: finished, still occupying its row
     keep_kv: bool = False  # a conversation: retain the keys/values when it finishes
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when params ask
+    entropies: list[float] | None = None  # per token, when params ask
+
+    @property
+    def wants_stats(self) -> bool:
+        """Whether this request records per-token statistics (SamplingParams)."""
+        return self.top_logprobs is not None or self.entropies is not None
 
     @property
     def inputs(self) -> int:
@@ -66,7 +73,10 @@ class Request:
         """The request as a Completion (copies of its tokens, log-probs and versions)."""
         return Completion(prompt_index=self.tag, token_ids=list(self.tokens),
                           logprobs=list(self.logprobs), finish_reason=reason,
-                          versions=list(self.versions), request_id=self.id)
+                          versions=list(self.versions), request_id=self.id,
+                          top_logprobs=None if self.top_logprobs is None
+                          else [list(t) for t in self.top_logprobs],
+                          entropies=None if self.entropies is None else list(self.entropies))
 
 
 def walk_draft(sampled: list[int], logps_sampled: list[float], draft: list[int],

@@ -125,3 +125,15 @@ def sample_and_score(logits: torch.Tensor, temperature: float, top_k: int, top_p
         tokens = inverse_cdf(logp.exp(), u.to(logp.device))
     return (tokens, logp.gather(-1, tokens[:, None])[:, 0],
             logp.gather(-1, score_ids.to(logp.device)[:, None])[:, 0])
+
+
+def token_stats(logits: torch.Tensor, k: int) -> tuple[list[list[tuple[int, float]]], list[float]]:
+    """Per row of `logits` [N, V]: the k most likely (id, log-prob) pairs and the entropy of
+    the temperature-1 distribution before any truncation (what an engine reports on request)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    if k <= 0:
+        return [[] for _ in range(logits.shape[0])], entropy.tolist()
+    vals, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return top, entropy.tolist()

@@ -30,8 +30,8 @@ Ways to run it (`DecodeStep.mode`; `padded` and `rows` serve tests and benchmark
 A captured graph reads the cache tensors and the converted weights at fixed addresses:
 graphs are dropped when the cache is reallocated (`KVCache.epoch`) and converted weights are
 updated in place at publication (`Decoder.refresh`), so replays see new weights.
-Rows that ask for top-k or top-p truncation get their logits back and are drawn on the host
-(`sampling.draw`), as before.
+Rows that ask for top-k or top-p truncation, or for per-token statistics (top log-probs,
+entropy), get their logits back and are drawn on the host (`sampling.draw`), as before.
 """
 
 from __future__ import annotations
@@ -268,7 +268,8 @@ class DecodeStep:
 
 def _sampling(reqs) -> str:
     """The device draw these requests need (StepShape.sample)."""
-    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
+    # truncated sampling, or per-token statistics asked: the logits come back to the host
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.wants_stats for r in reqs):
         return ""
     temps = {float(r.params.temperature) for r in reqs}
     if temps == {0.0}:
