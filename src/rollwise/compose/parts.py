@@ -124,7 +124,7 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
         correction_options={"cap": a.correction_cap, "low": a.correction_low},
         skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts,
         activation_checkpointing=lc.activation_checkpointing,
-        memory_budget_mb=lc.memory_budget_mb)
+        memory_budget_mb=lc.memory_budget_mb, optimizer=lc.optimizer)
 
 
 def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer: Callable,
@@ -140,7 +140,8 @@ def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer
     e = cfg.engine
     servers = Servers(e.remote_urls, timeout_s=e.remote_timeout_s, retries=e.remote_retries)
     rollout = RemoteRollout(servers, build_sampling(cfg), policy.decode, scorer,
-                            seed=cfg.run.seed, sync=e.remote_sync, concurrency=e.batch_size)
+                            seed=cfg.run.seed, sync=e.remote_sync, concurrency=e.batch_size,
+                            kind=e.remote_kind)
     trainer = FileTrainer(build_learner(cfg, policy, precision), policy.model,
                           e.remote_weights_dir)
     try:

@@ -147,8 +147,14 @@ class EngineConfig(Section):
         "the engine reports log-probs of the precision that sampled (docs/precision.md).")
     remote_urls: list[str] = Field(
         default_factory=list, description="engine.name='remote': the base URLs of the "
-        "`rollwise serve` processes rollouts are sent to, e.g. ['http://127.0.0.1:8001']; "
-        "a step's prompts are spread over them.")
+        "inference servers rollouts are sent to (`rollwise serve`, or those of "
+        "engine.remote_kind), e.g. ['http://127.0.0.1:8001']; a step's prompts are spread "
+        "over them.")
+    remote_kind: Literal["rollwise", "vllm", "sglang"] = Field(
+        "rollwise", description="engine.name='remote': what the servers are, so which "
+        "requests they are sent: 'rollwise' (`rollwise serve`), 'vllm' (vLLM's OpenAI server "
+        "in development mode with rollwise's worker extension) or 'sglang' (SGLang's native "
+        "server); the routes and versions each follows are in docs/remote.md.")
     remote_sync: Literal["pause", "abort"] = Field(
         "pause", description="engine.name='remote': how a server takes new weights: 'pause' "
         "(requests in flight wait, then continue with the new weights) or 'abort' (they "
@@ -339,6 +345,11 @@ class LearnerConfig(Section):
         0.0, ge=0, description="MiB the update's activations may take beyond the weights, "
         "gradients and optimizer state: micro_batch_tokens and logprob_chunk shrink to fit "
         "(an estimate from the model's shape, docs/performance.md; 0: no budget).")
+    optimizer: Literal["adamw", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
+        "adamw", description="'adamw' (torch's AdamW, fused kernel where available), or "
+        "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
+        "bytes a parameter instead of 8 for the moments, slower steps on a CPU "
+        "(docs/performance.md, Memory).")
 
 
 class EvalConfig(Section):

@@ -1,16 +1,18 @@
-"""The rollout port over inference servers in other processes (`rollwise serve`, or any
-server speaking its rollout protocol; docs/remote.md).
+"""The rollout port over inference servers in other processes (`rollwise serve`, vLLM or
+SGLang: `engine.remote_kind`; docs/remote.md).
 
 Token ids go out, token ids with their log-probs, policy versions and finish reasons come
-back (`POST /v1/generate`): one request per group, the step's groups spread over the
-servers in turn. Each sample carries the seed the in-process scheduler would give it (the
-same group numbering and `derive_seed`), so with the same weights a remote run samples
-exactly what a local one samples. The driver scores each group as its answer arrives
-(`ScoreAhead`, as the in-process stage does). Weights arrive as folders the trainer wrote
-(`Published.handle`); `publish` has every server load one (`POST /v1/weights/update`).
+back: one request per group, the step's groups spread over the servers in turn. Each
+sample carries the seed the in-process scheduler would give it (the same group numbering
+and `derive_seed`), so with the same weights a remote run on `rollwise serve` samples
+exactly what a local one samples (vLLM and SGLang take the seeds but sample their own way).
+The driver scores each group as its answer arrives (`ScoreAhead`, as the in-process stage
+does). Weights arrive as folders the trainer wrote (`Published.handle`); `publish` has
+every server load one.
 
 Imports the engine's sampling settings and seeds, the reward counts, the rollout figures
-and the records; HTTP lives in rollout/servers.py.
+and the records; HTTP lives in rollout/servers.py, each kind of server's requests and
+answers in rollout/dialects.py.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from rollwise.engine.base import SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.rewards.pool import RewardStats
+from rollwise.rollout.dialects import Ask, make_dialect
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scoring import ScoreAhead, Scorer
 from rollwise.rollout.servers import RemoteError, Servers
@@ -63,13 +66,16 @@ class _Calls:
 class RemoteRollout:
     """The rollout port over `servers`. `seed`: the run's (the samples' seeds derive from
     it and the group numbers); `sync`: how a server takes new weights ('pause' or 'abort');
-    `concurrency`: groups in flight at once (the servers batch what arrives together)."""
+    `concurrency`: groups in flight at once (the servers batch what arrives together);
+    `kind`: what the servers are ('rollwise', 'vllm', 'sglang': rollout/dialects.py)."""
 
     def __init__(self, servers: Servers, sampling: SamplingParams,
                  decode: Callable[[list[int]], str], scorer: Scorer, *, seed: int,
-                 sync: str = "pause", concurrency: int = 64, version: int = 0):
+                 sync: str = "pause", concurrency: int = 64, version: int = 0,
+                 kind: str = "rollwise"):
         self.servers, self.sampling, self.decode = servers, sampling, decode
         self.seed, self.sync = seed, sync
+        self.dialect = make_dialect(kind)
         self._ahead = ScoreAhead(scorer)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rollwise-remote")
         self._lock = threading.Lock()
@@ -127,10 +133,13 @@ class RemoteRollout:
         version, seconds, timings = self.version, 0.0, None
         todo = list(range(n))
         for _ in range(RESUMES + 1):
-            answer, took = self.servers.post("/v1/generate", self._body(
-                prompt, uid, [seeds[k] for k in todo], [done[k] for k in todo]), first=uid)
-            seconds, timings, version = seconds + took, answer.get("timings"), answer["version"]
-            for k, c in zip(todo, _completions(answer, len(todo)), strict=True):
+            sent = self.version  # tokens of servers that do not tag them carry it
+            answer = self.dialect.generate(self.servers, Ask(
+                list(prompt.ids), [seeds[k] for k in todo], [done[k] for k in todo],
+                self.sampling, uid, sent))
+            seconds, timings = seconds + answer.seconds, answer.timings
+            version = sent if answer.version is None else answer.version
+            for k, c in zip(todo, answer.completions, strict=True):
                 done[k] = c
             todo = [k for k in range(n) if done[k].finish_reason == "abort"]  # type: ignore[union-attr]
             if not todo:
@@ -143,19 +152,6 @@ class RemoteRollout:
             Trajectory.from_completion(prompt, c, self.decode, version, {})
             for c in done if c is not None])
         return group, (seconds, timings)
-
-    def _body(self, prompt: EncodedPrompt, uid: int, seeds: list[int],
-              partial: list[Completion | None]) -> dict[str, Any]:
-        s = self.sampling
-        body = {"prompt_token_ids": list(prompt.ids), "n": len(seeds), "seeds": seeds,
-                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                "max_tokens": s.max_tokens, "request_id": f"rollwise-{uid}"}
-        if any(c is not None for c in partial):
-            body["resume"] = [{"token_ids": c.token_ids, "logprobs": c.logprobs,
-                               "versions": c.versions} if c is not None else
-                              {"token_ids": [], "logprobs": [], "versions": []}
-                              for c in partial]
-        return body
 
     def score(self, groups: list[Group]) -> RewardStats:
         """Every trajectory of `groups` scored: those scored as they arrived collected,
@@ -183,16 +179,14 @@ class RemoteRollout:
         if weights.handle is None:
             raise RemoteError("the trainer published no weights folder for the servers "
                               "(engine.name='remote' needs the trainer that writes one)")
-        body = {"path": str(weights.handle), "version": weights.version, "mode": self.sync,
-                "timeout_s": self.servers.timeout_s}
         # threads of its own: generate calls in flight (asynchronous driver) may hold the pool
         with ThreadPoolExecutor(len(self.servers.urls)) as pool:
-            answers = list(pool.map(lambda i: self.servers.post(
-                "/v1/weights/update", body, first=i, spread=False),
+            answers = list(pool.map(lambda i: self.dialect.load(
+                self.servers, i, str(weights.handle), weights.version, self.sync),
                 range(len(self.servers.urls))))
         phases: dict[str, float] = {}
-        for answer, _ in answers:  # the slowest server's seconds in each phase it names
-            for k, v in (answer.get("phases") or {}).items():
+        for named, _ in answers:  # the slowest server's seconds in each phase it names
+            for k, v in named.items():
                 name = f"remote_weights_{k.removesuffix('_s')}_seconds"
                 phases[name] = max(phases.get(name, 0.0), float(v))
         with self._lock:
@@ -219,12 +213,3 @@ class RemoteRollout:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.servers.close()
 
-
-def _completions(answer: dict[str, Any], n: int) -> list[Completion]:
-    """The answer's choices in order, as the engine's completions."""
-    choices = sorted(answer["choices"], key=lambda c: c["index"])
-    if len(choices) != n:
-        raise RemoteError(f"asked for {n} samples, the server answered {len(choices)}")
-    return [Completion(0, list(c["token_ids"]), list(c["logprobs"]), c["finish_reason"],
-                       list(c.get("versions") or [answer["version"]] * len(c["token_ids"])))
-            for c in choices]

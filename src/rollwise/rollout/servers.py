@@ -1,15 +1,19 @@
 """HTTP to inference servers in other processes: a request sent again (to the next server
 when there are several) a bounded number of times when a server is unreachable or answers
 5xx, then one error naming the server, the route and the cause; a request that outlasts
-its time limit is an error at once (never a hang).
+its time limit is an error at once (never a hang). An answer is read by the caller's
+parser; a body that is not JSON, or that the parser cannot read, is an error naming the
+server and the route at once (a server speaking another protocol is not retried).
 
-Imports httpx only; the rollout port over these servers is rollout/remote.py.
+Imports httpx only; the rollout port over these servers is rollout/remote.py, what it says
+to each kind of server rollout/dialects.py.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -36,15 +40,18 @@ class Servers:
         self.retried = 0  # requests sent again (all routes), since the last `take_retries`
 
     def post(self, route: str, body: dict[str, Any], *, first: int = 0,
-             spread: bool = True) -> tuple[dict[str, Any], float]:
+             spread: bool = True, parse: Callable[[Any], Any] | None = None
+             ) -> tuple[Any, float]:
         """POST `body` to server `first` (modulo their number); a failure is sent again to
-        the next one (`spread`) or to the same. (the answer, the round-trip seconds)."""
+        the next one (`spread`) or to the same. (the answer, read by `parse` when given;
+        the round-trip seconds)."""
         failures: list[str] = []
         for attempt in range(self.retries + 1):
             url = self.urls[(first + (attempt if spread else 0)) % len(self.urls)]
             cause = self._attempt(url, route, body)
             if isinstance(cause, tuple):
-                return cause
+                return (cause if parse is None else
+                        (_parsed(parse, cause[0], url + route), cause[1]))
             failures.append(f"{url}: {cause}")
             if attempt < self.retries:
                 with self._lock:
@@ -66,7 +73,7 @@ class Servers:
             return f"{type(e).__name__}: {e}"
         seconds = time.perf_counter() - start
         if r.status_code < 400:
-            return r.json(), seconds
+            return _json(r, url + route), seconds
         if r.status_code < 500:
             raise RemoteError(f"{url}{route} answered {r.status_code}: {error_message(r)}")
         return f"answered {r.status_code}: {error_message(r)}"
@@ -91,14 +98,38 @@ class Servers:
         self.client.close()
 
 
-def error_message(r: httpx.Response) -> str:
-    """The server's own message (`{"error": {"message", "phase"?}}`), else the body's start."""
+def _json(r: httpx.Response, where: str) -> Any:
+    """A successful answer's JSON ({} for an empty body, as some control routes send)."""
+    if not r.content.strip():
+        return {}
     try:
-        error = r.json().get("error", {})
+        return r.json()
     except ValueError:
+        raise RemoteError(f"{where} answered {r.status_code} with a body that is not JSON: "
+                          f"{r.text[:200]!r}") from None
+
+
+def _parsed(parse: Callable[[Any], Any], answer: Any, where: str) -> Any:
+    """`parse(answer)`; an answer without the fields it reads is an error naming `where`."""
+    try:
+        return parse(answer)
+    except RemoteError as e:
+        raise RemoteError(f"{where}: {e}") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise RemoteError(f"{where}: malformed answer ({type(e).__name__}: {e})") from None
+
+
+def error_message(r: httpx.Response) -> str:
+    """The server's own message (`{"error": {"message", "phase"?}}`, or a top-level
+    `message` or `detail` as SGLang and FastAPI send), else the body's start."""
+    try:
+        answer = r.json()
+        error = answer.get("error") or {k: answer[k] for k in ("message", "detail")
+                                        if k in answer}
+    except (ValueError, AttributeError):
         return r.text[:300] or r.reason_phrase
     if not isinstance(error, dict):
         return str(error)[:300]
-    message = str(error.get("message", "")) or r.reason_phrase
+    message = str(error.get("message") or error.get("detail") or "")[:300] or r.reason_phrase
     phase = error.get("phase")
     return f"{message} (phase: {phase})" if phase and str(phase) not in message else message

@@ -1,0 +1,304 @@
+"""What the remote rollout port says to each kind of inference server (`engine.remote_kind`):
+how a group's generation request is written and its answer read, and how a server is
+told to load a folder of weights. One class per kind, the same two methods each:
+
+    generate(servers, ask) -> Answer   one request per group (the samples an update
+                                       aborted: sent again from where they stopped)
+    load(servers, i, folder, version, sync) -> (phases, seconds)   server i takes a folder
+
+`rollwise`  `rollwise serve`: POST /v1/generate, POST /v1/weights/update (docs/serve.md).
+`vllm`      vLLM's OpenAI server: POST /v1/completions with token ids; weights through its
+            development-mode routes (/pause, /collective_rpc, /reset_prefix_cache,
+            /resume) and `VLLMFolderWeights`, a worker extension the server is started with.
+`sglang`    SGLang's native server: POST /generate; /pause_generation,
+            /update_weights_from_disk, /continue_generation.
+
+docs/remote.md says which versions' documentation these follow; only fake servers written
+from that documentation were run here. An answer that does not have the documented shape
+is a RemoteError naming the server and the route (rollout/servers.py wraps the parsers).
+
+Imports the records, the engine's sampling settings and rollout/servers.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rollwise.engine.base import SamplingParams
+from rollwise.rollout.servers import RemoteError, Servers
+from rollwise.types import Completion
+
+KINDS = ("rollwise", "vllm", "sglang")
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass
+class Ask:
+    """One generation request: `prompt` ids, one seed per sample, and per sample the
+    tokens an earlier request left (None: start afresh). `version`: the weights the
+    servers hold as it is sent (tokens of servers that do not tag them carry it)."""
+
+    prompt: list[int]
+    seeds: list[int]
+    partial: list[Completion | None]
+    sampling: SamplingParams
+    uid: int
+    version: int
+    priority: int | None = None  # lower first, where the server schedules by priority
+
+    @property
+    def resumes(self) -> bool:
+        return any(p is not None for p in self.partial)
+
+    def done(self, k: int) -> list[int]:
+        p = self.partial[k]
+        return p.token_ids if p is not None else []
+
+
+@dataclass
+class Answer:
+    completions: list[Completion]  # whole samples: the partial tokens, then the new ones
+    seconds: float  # round trip
+    timings: dict[str, float] | None = None  # the server's queue/prefill/decode seconds
+    version: int | None = None  # the version the server reports, if it reports one
+
+
+def make_dialect(kind: str):
+    """The dialect named `kind` (one of KINDS)."""
+    dialects = {"rollwise": RollwiseDialect, "vllm": VLLMDialect, "sglang": SGLangDialect}
+    if kind not in dialects:
+        raise ValueError(f"engine.remote_kind: {kind!r} is not one of {', '.join(KINDS)}")
+    return dialects[kind]()
+
+
+def _joined(ask: Ask, k: int, ids: list[int], logprobs: list[float], finish: str) -> Completion:
+    """Sample k: its partial tokens followed by the new ones, each new token stamped with
+    the version the request was sent under (these servers do not tag tokens)."""
+    if len(ids) != len(logprobs):
+        raise ValueError(f"{len(ids)} token ids but {len(logprobs)} log-probs")
+    if finish not in FINISH:
+        raise ValueError(f"unknown finish reason {finish!r}")
+    p = ask.partial[k]
+    head = p if p is not None else Completion(0, [], [], "abort", [])
+    return Completion(0, head.token_ids + [int(t) for t in ids],
+                      head.logprobs + [float(x) for x in logprobs], FINISH[finish],
+                      head.versions + [ask.version] * len(ids))
+
+
+def _steps(servers: Servers, index: int, version: int,
+           steps: list[tuple[str, str, dict[str, Any]]], finally_step: tuple | None = None):
+    """Run (phase, route, body) in order on server `index`, timing each; a failure names
+    the phase, after `finally_step` (the resume) was tried so the server is not left
+    paused. ({phase: seconds}, total seconds)."""
+    phases: dict[str, float] = {}
+    start = time.perf_counter()
+    for phase, route, body in steps:
+        try:
+            _, phases[phase] = servers.post(route, body, first=index, spread=False,
+                                            parse=_succeeded)
+        except RemoteError as e:
+            if finally_step is not None and phase != finally_step[0]:
+                try:
+                    servers.post(finally_step[1], finally_step[2], first=index, spread=False)
+                except RemoteError:
+                    pass  # the first error is the one worth reporting
+            raise RemoteError(f"weight update to version {version} failed in phase "
+                              f"{phase}: {e}") from None
+    return phases, time.perf_counter() - start
+
+
+def _succeeded(answer: Any) -> Any:
+    """SGLang answers control calls with {"success": false, "message"} on failure."""
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise RemoteError(f"the server said: {answer.get('message') or answer}")
+    return answer
+
+
+class RollwiseDialect:
+    """`rollwise serve`: ids, log-probs and per-token versions back; seeds per sample;
+    resumed samples continued by the server; one weight-update call with its phases."""
+
+    name = "rollwise"
+
+    def generate(self, servers: Servers, ask: Ask) -> Answer:
+        s = ask.sampling
+        body: dict[str, Any] = {
+            "prompt_token_ids": list(ask.prompt), "n": len(ask.seeds), "seeds": ask.seeds,
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "max_tokens": s.max_tokens, "request_id": f"rollwise-{ask.uid}"}
+        if ask.priority is not None:
+            body["priority"] = ask.priority
+        if ask.resumes:
+            body["resume"] = [{"token_ids": c.token_ids, "logprobs": c.logprobs,
+                               "versions": c.versions} if c is not None else
+                              {"token_ids": [], "logprobs": [], "versions": []}
+                              for c in ask.partial]
+        (completions, version, timings), seconds = servers.post(
+            "/v1/generate", body, first=ask.uid, parse=lambda a: self._read(a, len(ask.seeds)))
+        return Answer(completions, seconds, timings, version)
+
+    @staticmethod
+    def _read(answer: dict[str, Any], n: int):
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise RemoteError(f"asked for {n} samples, the server answered {len(choices)}")
+        version = int(answer["version"])
+        out = [Completion(0, list(c["token_ids"]), list(c["logprobs"]), c["finish_reason"],
+                          list(c.get("versions") or [version] * len(c["token_ids"])))
+               for c in choices]
+        return out, version, answer.get("timings")
+
+    def load(self, servers: Servers, index: int, folder: str, version: int, sync: str):
+        body = {"path": folder, "version": version, "mode": sync,
+                "timeout_s": servers.timeout_s}
+        answer, seconds = servers.post("/v1/weights/update", body, first=index, spread=False)
+        phases = {k: float(v) for k, v in (answer.get("phases") or {}).items()}
+        return phases, seconds
+
+
+class VLLMDialect:
+    """vLLM's OpenAI server. A group is one /v1/completions request with `n` and the
+    group's first seed (vLLM seeds sample k with seed + k); samples an update aborted go
+    back as one request with a prompt per sample (its prompt and tokens so far), each
+    continuation cut at that sample's own remaining budget."""
+
+    name = "vllm"
+    method = "rollwise_load_folder"  # VLLMFolderWeights' method, called by /collective_rpc
+
+    def generate(self, servers: Servers, ask: Ask) -> Answer:
+        s = ask.sampling
+        n = len(ask.seeds)
+        left = [s.max_tokens - len(ask.done(k)) for k in range(n)]
+        body: dict[str, Any] = {
+            "prompt": ([list(ask.prompt) + ask.done(k) for k in range(n)] if ask.resumes
+                       else list(ask.prompt)),
+            "n": 1 if ask.resumes else n, "seed": ask.seeds[0], "max_tokens": max(left),
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
+            "logprobs": 0, "return_tokens_as_token_ids": True,
+            "request_id": f"rollwise-{ask.uid}-{sum(map(len, map(ask.done, range(n))))}"}
+        if s.stop_token_ids:
+            body["stop_token_ids"] = list(s.stop_token_ids)
+        if s.ignore_eos:
+            body["ignore_eos"] = True
+        if ask.priority is not None:
+            body["priority"] = ask.priority
+        completions, seconds = servers.post("/v1/completions", body, first=ask.uid,
+                                            parse=lambda a: self._read(a, ask, left))
+        return Answer(completions, seconds)
+
+    @staticmethod
+    def _read(answer: dict[str, Any], ask: Ask, left: list[int]) -> list[Completion]:
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != len(ask.seeds):
+            raise RemoteError(f"asked for {len(ask.seeds)} samples, the server answered "
+                              f"{len(choices)}")
+        out = []
+        for k, c in enumerate(choices):
+            lp = c["logprobs"]
+            if lp is None:
+                raise ValueError("choice without logprobs (the request asks for logprobs: 0)")
+            ids = [_token_id(t) for t in lp["tokens"]]
+            logprobs, finish = list(lp["token_logprobs"]), c["finish_reason"]
+            if len(ids) > left[k]:  # a shared max_tokens: this sample's budget ends sooner
+                ids, logprobs, finish = ids[:left[k]], logprobs[:left[k]], "length"
+            out.append(_joined(ask, k, ids, logprobs, finish))
+        return out
+
+    def load(self, servers: Servers, index: int, folder: str, version: int, sync: str):
+        # 'keep' freezes requests in flight (they continue with the new weights), 'abort'
+        # returns them with their tokens so far (RemoteRollout sends them again)
+        mode = "keep" if sync == "pause" else "abort"
+        steps = [("pause", f"/pause?mode={mode}", {}),
+                 ("load", "/collective_rpc", {"method": self.method, "args": [folder],
+                                              "timeout": servers.timeout_s}),
+                 ("cache", "/reset_prefix_cache", {}),
+                 ("resume", "/resume", {})]
+        return _steps(servers, index, version, steps, finally_step=steps[-1])
+
+
+def _token_id(token: str) -> int:
+    """vLLM's `token_id:<id>` (return_tokens_as_token_ids) as the id."""
+    if not isinstance(token, str) or not token.startswith("token_id:"):
+        raise ValueError(f"token {token!r} is not 'token_id:<id>' (the request sets "
+                         "return_tokens_as_token_ids)")
+    return int(token.removeprefix("token_id:"))
+
+
+class SGLangDialect:
+    """SGLang's native server. A group is one batched /generate request, a copy of the
+    prompt per sample with that sample's own `sampling_seed` (one request with `n` would
+    give every copy the same seed); a resumed sample's copy carries its tokens so far and
+    its remaining budget."""
+
+    name = "sglang"
+
+    def generate(self, servers: Servers, ask: Ask) -> Answer:
+        s = ask.sampling
+        params = []
+        for k, seed in enumerate(ask.seeds):
+            p: dict[str, Any] = {"max_new_tokens": s.max_tokens - len(ask.done(k)),
+                                 "temperature": s.temperature, "top_p": s.top_p,
+                                 "top_k": s.top_k or -1, "sampling_seed": seed}
+            if s.stop_token_ids:
+                p["stop_token_ids"] = list(s.stop_token_ids)
+            if s.ignore_eos:
+                p["ignore_eos"] = True
+            params.append(p)
+        body: dict[str, Any] = {
+            "input_ids": [list(ask.prompt) + ask.done(k) for k in range(len(ask.seeds))],
+            "sampling_params": params, "return_logprob": True,
+            "rid": [f"rollwise-{ask.uid}-{k}-{len(ask.done(k))}" for k in range(len(ask.seeds))]}
+        if ask.priority is not None:
+            body["priority"] = ask.priority
+        completions, seconds = servers.post("/generate", body, first=ask.uid,
+                                            parse=lambda a: self._read(a, ask))
+        return Answer(completions, seconds)
+
+    @staticmethod
+    def _read(answer: list[dict[str, Any]], ask: Ask) -> list[Completion]:
+        if not isinstance(answer, list) or len(answer) != len(ask.seeds):
+            got = len(answer) if isinstance(answer, list) else type(answer).__name__
+            raise RemoteError(f"asked for {len(ask.seeds)} samples, the server answered {got}")
+        out = []
+        for k, item in enumerate(answer):
+            meta = item["meta_info"]
+            triples = meta["output_token_logprobs"]  # [(log-prob, token id, text), ...]
+            finish = meta["finish_reason"]
+            if not isinstance(finish, dict):
+                raise ValueError(f"sample {k} has no finish_reason (it did not finish)")
+            out.append(_joined(ask, k, [t[1] for t in triples], [t[0] for t in triples],
+                               finish["type"]))
+        return out
+
+    def load(self, servers: Servers, index: int, folder: str, version: int, sync: str):
+        # 'retract' puts running requests back in the queue (their KV cache recomputed with
+        # the new weights after continue_generation); 'abort' returns them with their tokens
+        mode = "retract" if sync == "pause" else "abort"
+        steps = [("pause", "/pause_generation", {"mode": mode}),
+                 ("load", "/update_weights_from_disk",
+                  {"model_path": folder, "weight_version": str(version), "flush_cache": True}),
+                 ("resume", "/continue_generation", {})]
+        return _steps(servers, index, version, steps, finally_step=steps[-1])
+
+
+class VLLMFolderWeights:
+    """A vLLM worker extension (`vllm serve ... --worker-extension-cls
+    rollwise.rollout.dialects.VLLMFolderWeights`): `/collective_rpc` calls its method on
+    every worker, which loads `<folder>/model.safetensors` (the weights named as the
+    model's Hugging Face state dict, as learner/files.py writes them) into the model."""
+
+    def rollwise_load_folder(self, folder: str) -> int:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        path = Path(folder) / "model.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no full-weights file (a LoRA adapter folder "
+                                    "is not loaded this way)")
+        weights = load_file(str(path), device="cpu")
+        # vLLM's models take (name, tensor) pairs by their checkpoint names and shard them
+        self.model_runner.model.load_weights(weights=iter(weights.items()))  # type: ignore[attr-defined]
+        return len(weights)
