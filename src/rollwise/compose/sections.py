@@ -350,6 +350,11 @@ class LearnerConfig(Section):
         "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
         "bytes a parameter instead of 8 for the moments, slower steps on a CPU "
         "(docs/performance.md, Memory).")
+    optimizer: Literal["adamw", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
+        "adamw", description="'adamw' (torch's AdamW, fused kernel where available), or "
+        "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
+        "bytes a parameter instead of 8 for the moments, slower steps on a CPU "
+        "(docs/performance.md, Memory).")
 
 
 class EvalConfig(Section):

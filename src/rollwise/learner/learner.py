@@ -39,6 +39,7 @@ from rollwise.algos import aggregate, is_zero_at_zero_advantage
 from rollwise.learner.batch import micro_batches, take_rows
 from rollwise.learner.logprobs import token_logprobs
 from rollwise.learner.memory import enable_checkpointing, fit_budget, reference_copy
+from rollwise.learner.optim import build_optimizer, load_plain_state, plain_state
 from rollwise.types import Batch, Published
 
 
@@ -52,18 +53,20 @@ class Learner:
                  kl_in_reward: bool = False, entropy_coef: float = 0.0,
                  correction_fn: Callable | None = None, correction_options: dict | None = None,
                  skip_zero_advantage: bool = True, share_prompts: bool = True,
-                 activation_checkpointing: bool = False, memory_budget_mb: float = 0.0):
+                 activation_checkpointing: bool = False, memory_budget_mb: float = 0.0,
+                 optimizer: str = "adamw"):
         """`share_prompts`: rows with the same prompt run it once per micro-batch (the
         same log-probs and gradients; learner/logprobs.py). `activation_checkpointing` and
-        `memory_budget_mb` (0: none): the module docstring."""
+        `memory_budget_mb` (0: none): the module docstring. `optimizer`: a name of
+        learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit or float8 moments)."""
         self.model = model
         if activation_checkpointing:
             enable_checkpointing(model)
         self.share_prompts = share_prompts and not activation_checkpointing
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas,
-                                           weight_decay=weight_decay)
+        self.optimizer = build_optimizer(optimizer, self.params, lr=lr, betas=betas,
+                                         weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps))
         if memory_budget_mb > 0:
@@ -235,11 +238,11 @@ class Learner:
         pass
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "nan_skips": self.nan_skips}
+        return {"optimizer": plain_state(self.optimizer.state_dict()),
+                "scheduler": self.scheduler.state_dict(), "nan_skips": self.nan_skips}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_plain_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skips = state.get("nan_skips", 0)
 
