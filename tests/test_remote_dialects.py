@@ -25,7 +25,7 @@ from rollwise.models import load_policy
 from rollwise.pipeline.build import build
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
-from rollwise.rollout.dialects import VLLMFolderWeights
+from rollwise.rollout.dialects import Ask, VLLMFolderWeights, make_dialect
 from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import RemoteError, Servers
 from rollwise.types import EncodedPrompt, Published, Sample
@@ -265,6 +265,28 @@ def test_a_malformed_answer_names_the_server_and_the_route(fakes, kind, options,
         rollout.close()
     route = "/v1/completions" if kind == "vllm" else "/generate"
     assert f"{fake.url}{route}" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_priority_stop_ids_and_seeds_reach_the_documented_fields(fakes, kind):
+    """A priority and stop ids go out as the servers' `priority` and `stop_token_ids`;
+    vLLM gets the group's first seed (it seeds sample k with seed + k), SGLang each
+    sample's own `sampling_seed`."""
+    fake = fakes(kind)
+    servers = Servers([fake.url], timeout_s=20, retries=0)
+    sampling = SamplingParams(n=2, max_tokens=8, top_k=0, stop_token_ids=(EOS, 9))
+    try:
+        answer = make_dialect(kind).generate(servers, Ask([5, 6], [11, 40], [None, None],
+                                                          sampling, uid=7, version=3, priority=2))
+    finally:
+        servers.close()
+    body = fake.calls[0][2]
+    assert body["priority"] == 2
+    options = [body] if kind == "vllm" else body["sampling_params"]
+    assert all(o["stop_token_ids"] == [EOS, 9] and o["top_k"] == -1 for o in options)
+    seeds = [body["seed"]] if kind == "vllm" else [o["sampling_seed"] for o in options]
+    assert seeds == ([11] if kind == "vllm" else [11, 40])
+    assert [c.versions == [3] * len(c.token_ids) for c in answer.completions] == [True, True]
 
 
 def test_a_body_that_is_not_json_names_the_server_and_the_route(fakes):

@@ -195,7 +195,8 @@ class RemoteRollout:
             self._phases = phases
 
     def server_versions(self) -> list[int]:
-        """The version each server samples with now (GET /v1/weights)."""
+        """The version each server samples with now (GET /v1/weights: `rollwise serve`
+        only; vLLM and SGLang do not number weights this way)."""
         return [int(self.servers.get(i, "/v1/weights")["version"])
                 for i in range(len(self.servers.urls))]
 
