@@ -42,7 +42,8 @@ def test_rollwise_sums_scores_through_the_adapter(sums) -> None:
     s = task.eval[0]
     a, b = (int(x) for x in s.prompt.split("What is ")[1].split("?")[0].split(" + "))
     assert s.answer == str(a + b) and "####" in s.prompt
-    assert task.verifier(f"{a} + {b} = {a + b}\n#### {a + b}", s) == 1.0
+    assert s.reference == f"{a} + {b} = {a + b}\n#### {a + b}"  # the tiny model's warm start
+    assert task.verifier(s.reference, s) == 1.0
     assert task.verifier(f"#### {a + b + 1}", s) == 0.0
     assert task.verifier(f"{a + b} is wrong, the sum is {a + b + 1}", s) == 0.0
 
@@ -63,7 +64,7 @@ def test_vf_eval_against_rollwise_serve(tmp_path) -> None:
              "--sampling.max-tokens", str(MAX_TOKENS), "--sampling.temperature", "1.0",
              "--env.agent.runtime.type", "subprocess", "--no-push", "--no-rich",
              "-o", str(tmp_path / "out"), "--run.name", "t"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     finally:
         server.kill()
     assert done.returncode == 0, done.stderr[-3000:]

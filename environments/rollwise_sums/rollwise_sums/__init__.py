@@ -48,6 +48,8 @@ def parse_answer(reply: str) -> str | None:
 
 class SumsData(vf.TaskData):
     answer: str = ""
+    reference: str = ""
+    """A worked response (rollwise warm-starts its tiny model on it; nothing else reads it)."""
 
 
 class SumsTask(vf.Task[SumsData]):
@@ -75,7 +77,8 @@ class SumsTaskset(vf.Taskset[SumsTask, SumsConfig]):
         low, high = 10 ** (self.config.digits - 1), 10 ** self.config.digits - 1
         for _ in range(self.config.size):
             a, b = rng.randint(low, high), rng.randint(low, high)
-            yield SumsTask(SumsData(prompt=QUESTION.format(a=a, b=b), answer=str(a + b)))
+            yield SumsTask(SumsData(prompt=QUESTION.format(a=a, b=b), answer=str(a + b),
+                                    reference=f"{a} + {b} = {a + b}\n#### {a + b}"))
 
 
 class ChatHarnessConfig(HarnessConfig):

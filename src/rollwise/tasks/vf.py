@@ -4,10 +4,12 @@
 `load(**the other options)` returns a ``verifiers.v1`` `Taskset` (or an object with a
 ``taskset`` attribute, such as a `vf.Env`). Each task's `data.prompt` (and
 `data.system_prompt`) becomes a rollwise prompt; its ``answer`` field, when it has one,
-becomes `Sample.answer`. Splits: each prompt text is on one side of the seeded hash partition
-the built-in tasks use; eval takes the first `num_eval` eval-side tasks in the taskset's
-order, train the first `num_train` train-side ones (an infinite taskset is read until both
-are full, at most 50 x their sum).
+becomes `Sample.answer`, and its ``reference`` field (a whole worked response) becomes
+`Sample.reference`, which the tiny model is warm-started on (without one it never sees the
+task's format and scores 0). Splits: each prompt text is on one side of the seeded hash
+partition the built-in tasks use; eval takes the first `num_eval` eval-side tasks in the
+taskset's order, train the first `num_train` train-side ones (an infinite taskset is read
+until both are full, at most 50 x their sum).
 
 Scoring: the completion becomes a one-turn `Trace` (the prompt as user message, the
 completion as the sampled assistant message) and the task's own `score` runs on it without a
@@ -109,7 +111,9 @@ def build_verifiers(setup: TaskSetup = DEFAULT_SETUP, *, env: str = "", **option
         sid = f"verifiers/{side}/{len(out[side])}"
         prompt = messages if setup.chat else as_prompt(key, False)
         answer = getattr(task.data, "answer", "")
+        reference = getattr(task.data, "reference", None)
         out[side].append(Sample(id=sid, prompt=prompt, answer=str(answer or ""),
+                                reference=str(reference) if reference else None,
                                 meta={"vf_idx": task.data.idx, "vf_key": task.key}))
         tasks[sid] = task
     if len(out["train"]) < min(want["train"], 1) or len(out["eval"]) < min(want["eval"], 1):
