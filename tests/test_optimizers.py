@@ -7,6 +7,8 @@ use the float8 one (the quickest to compile); 8-bit and 4-bit run with `-m slow`
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -137,3 +139,13 @@ def test_learner_trains_and_resumes_with_a_low_bit_optimizer(tiny_llama, random_
     b.update(batch)
     for p, q in zip(a_model.parameters(), b_model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_missing_torchao_is_named(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    w = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ImportError, match=r"rollwise\[lowbit\]"):
+        build_optimizer("adamw8bit", [w], lr=1e-3, betas=BETAS, weight_decay=0.0)
+    with pytest.raises(ValueError, match="unknown learner.optimizer"):
+        build_optimizer("sgd", [w], lr=1e-3, betas=BETAS, weight_decay=0.0)
