@@ -187,14 +187,15 @@ def async_(configs: Annotated[list[Path] | None, typer.Argument(
            steps: Annotated[int, typer.Option(help="Training steps per variant.")] = 6,
            warmup: Annotated[int, typer.Option(help="Warm-up steps left out of medians.")] = 1,
            variant: Annotated[list[str] | None, typer.Option(
-               help="Variants (repeatable; default all): local-sync, ray-sync, ray-async-1, "
-               "ray-async-2.")] = None,
+               help="Variants (repeatable; default all): local-sync, local-async-1, ray-sync, "
+               "ray-async-1, ray-async-2, remote-sync, remote-async-1 (remote: against a "
+               "`rollwise serve` process the bench starts).")] = None,
            cpus: Annotated[int, typer.Option(
                help="CPUs of the local Ray cluster (0: the cores this process may use).")] = 0,
            set_: Annotated[list[str] | None, typer.Option(
                "--set", help="Config override for every variant, e.g. run.threads=1.")] = None):
-    """Sync vs async (staleness 1 and 2) on Ray, and local: step time, busy fractions,
-    staleness, held-out accuracy; the overlap and Ray-overhead ratios."""
+    """Sync vs async (staleness 1 and 2), local, on Ray, on a server: step time, busy
+    fractions, staleness, held-out accuracy; the overlap and Ray-overhead ratios."""
     from rollwise.bench import overlap
 
     overlap.command(configs=configs, json=json, steps=steps, warmup=warmup, variant=variant,
