@@ -1,5 +1,9 @@
 """One sampled sequence ("choice") from submission to result, on top of the driver: stop
-strings end it early (the driver aborts it), text comes out as it may be shown."""
+strings end it early (the driver aborts it), text comes out as it may be shown, and the
+top log-probs a request asked for travel with their tokens (cut where the ids are cut).
+
+Imports `engine.base`, `engine.sampling` and the serve driver and text edge.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,9 @@ from rollwise.engine.base import SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.serve.driver import Done, EngineDriver, Event, Failed, Handle, Tokens
 from rollwise.serve.text import TextTracker
+
+# text, the token ids behind it, their log-probs, their top log-probs (None: not asked)
+Delta = tuple[str, list[int], list[float], list | None]
 
 
 class EngineFailure(RuntimeError):
@@ -35,6 +42,8 @@ class ChoiceResult:
     finish_reason: str  # "stop" | "length" | "abort"
     text: str
     extra: dict = field(default_factory=dict)
+    # [T] the k most likely (id, log-prob) per token, when the request asked (else None)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def record(self) -> dict:
         return {"prompt_token_ids": self.prompt_ids, "token_ids": self.token_ids,
@@ -49,6 +58,7 @@ class ChoiceState:
         self.prompt_ids = prompt_ids
         self.tracker = TextTracker(tokenizer, stop)
         self.seen = 0  # engine tokens fed to the tracker
+        self.tops: list | None = None  # top log-probs of every engine token (when asked)
         self.result: ChoiceResult | None = None
         self.error: str | None = None
         self.error_status = 500
@@ -60,6 +70,7 @@ class ChoiceState:
             if t.stopped:
                 return False
             self.seen += len(event.ids)
+            self._add_tops(event.top)
             t.add(event.ids, event.logprobs, event.versions)
             return t.stopped
         if isinstance(event, Failed):
@@ -69,11 +80,27 @@ class ChoiceState:
         if not t.stopped:
             s = self.seen
             self.seen = len(c.token_ids)
+            self._add_tops(None if c.top_logprobs is None else c.top_logprobs[s:])
             t.add(c.token_ids[s:], c.logprobs[s:], c.versions[s:], final=True)
         reason = "stop" if t.stopped else c.finish_reason
+        tops = None if self.tops is None else self.tops[:len(t.ids)]  # cut as the ids are
         self.result = ChoiceResult(self.prompt_ids, list(t.ids), list(t.logprobs),
-                                   list(t.versions), reason, t.text)
+                                   list(t.versions), reason, t.text, top_logprobs=tops)
         return False
+
+    def _add_tops(self, tops: list | None) -> None:
+        if tops is not None:
+            if self.tops is None:
+                self.tops = []
+            self.tops.extend(tops)
+
+    def take(self, final: bool = False) -> Delta:
+        """The tracker's next piece of text with the ids behind it, their log-probs and
+        (when asked) their top log-probs."""
+        text, ids, lps = self.tracker.take(final)
+        end = self.tracker.given
+        tops = None if self.tops is None else self.tops[end - len(ids):end]
+        return text, ids, lps, tops
 
 
 def sequence_seed(base: int | None, index: int) -> int:
@@ -102,7 +129,6 @@ def start_sync(driver: EngineDriver, tokenizer, prompt_ids: list[int], params: S
     return handle[0]
 
 
-Delta = tuple[str, list[int], list[float]]  # text, the token ids behind it, their log-probs
 
 
 async def run_choice(driver: EngineDriver, tokenizer, prompt_ids: list[int],
@@ -128,12 +154,12 @@ async def run_choice(driver: EngineDriver, tokenizer, prompt_ids: list[int],
                 raise EngineFailure(state.error, state.error_status)
             if state.result is not None:
                 if on_delta is not None:
-                    delta = state.tracker.take(final=True)
+                    delta = state.take(final=True)
                     if delta[0] or delta[1]:
                         await on_delta(delta)
                 return state.result
             if on_delta is not None:
-                delta = state.tracker.take()
+                delta = state.take()
                 if delta[0]:
                     await on_delta(delta)
     finally:

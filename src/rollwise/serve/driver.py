@@ -6,7 +6,8 @@ The thread applies the commands, then runs `engine.step()` while anything is unf
 requests that arrive together share forward passes (the engine's continuous batching).
 Each request has a `sink`, called on the driver thread with its events:
 
-    Tokens(ids, logprobs, versions)   new tokens (only for requests that asked to watch)
+    Tokens(ids, logprobs, versions, top)  new tokens (only for requests that asked to watch);
+                                      `top`: their top log-probs when the params ask
     Done(completion)                  finished, stopped by a stop token/length, or aborted
     Failed(message, status)           refused (400) or the engine raised (500); gone
 
@@ -37,6 +38,7 @@ class Tokens:
     ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    top: list[list[tuple[int, float]]] | None = None  # per token, when the params ask
 
 
 @dataclass
@@ -166,8 +168,12 @@ class EngineDriver:
             h: Handle = arg
             if h.cancelled:  # aborted before it reached the engine: what it came with
                 part = h.resume or Completion(0, [], [], "abort")
+                top = part.top_logprobs
+                if top is None and h.params.top_logprobs:
+                    top = []
                 self._done(h, Completion(0, list(part.token_ids), list(part.logprobs), "abort",
-                                         list(part.versions)))
+                                         list(part.versions),
+                                         top_logprobs=None if top is None else list(top)))
                 return
             try:
                 h.rid = self.engine.submit(h.prompt, h.params, seed=h.seed, resume=h.resume,
@@ -236,7 +242,8 @@ class EngineDriver:
         if h.watch and len(c.token_ids) > h.sent:
             s = h.sent
             h.sent = len(c.token_ids)
-            self._emit(h, Tokens(c.token_ids[s:], c.logprobs[s:], c.versions[s:]))
+            top = None if c.top_logprobs is None else c.top_logprobs[s:]
+            self._emit(h, Tokens(c.token_ids[s:], c.logprobs[s:], c.versions[s:], top))
 
     def _abort(self, h: Handle) -> None:
         c = self.engine.abort(h.rid)

@@ -58,7 +58,8 @@ def _add_chat_route(app: FastAPI, server: ServerState, auth: list) -> None:
         server.refuse(body.refusal())
         prompt = render_chat(server.tokenizer, body.messages, body.tools, server.template)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = server.params(body, len(prompt), max_tokens, where="messages")
+        params = server.params(body, len(prompt), max_tokens, where="messages",
+                               top=body.top_k_logprobs)
         server.reserve(body.n)
         server.served_requests += 1
         tools = bool(body.tools) and body.tool_choice != "none"
@@ -76,7 +77,7 @@ def _add_chat_route(app: FastAPI, server: ServerState, auth: list) -> None:
         for k, r in enumerate(results):
             message, finish = _chat_message(r, tools)
             choices.append({"index": k, "message": message, "finish_reason": finish,
-                            "logprobs": server.chat_logprobs(r) if body.logprobs else None,
+                            "logprobs": _chat_logprobs(server, body, r),
                             "token_ids": r.token_ids})
         server.record(episode, meta | _record(prompt, results, choices))
         return {"id": call_id, "object": "chat.completion", "created": int(time.time()),
@@ -91,7 +92,8 @@ def _add_completions_route(app: FastAPI, server: ServerState, auth: list) -> Non
         server.refuse(body.refusal())
         prompts = _prompts(server, body.prompt)
         plist = [server.params(body, len(p), body.max_tokens,
-                               where=f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+                               where=f"prompt[{i}]" if len(prompts) > 1 else "prompt",
+                               top=body.top_k_logprobs)
                  for i, p in enumerate(prompts)]
         server.reserve(body.n * len(prompts))
         server.served_requests += 1
@@ -168,9 +170,15 @@ def _chat_message(r: ChoiceResult, tools: bool) -> tuple[dict, str]:
     return message, "tool_calls" if calls else r.finish_reason
 
 
+def _chat_logprobs(server: ServerState, body: ChatBody, r: ChoiceResult) -> dict | None:
+    """A chat choice's (or chunk's) `logprobs`, when the request asked for them."""
+    return server.chat_logprobs(r.token_ids, r.logprobs, r.top_logprobs) if body.logprobs else None
+
+
 def _completion_choice(server: ServerState, body: CompletionBody, idx: int,
                        r: ChoiceResult) -> dict:
-    lp = server.completion_logprobs(r.token_ids, r.logprobs) if body.logprobs is not None else None
+    lp = (server.completion_logprobs(r.token_ids, r.logprobs, tops=r.top_logprobs)
+          if body.logprobs is not None else None)
     choice = {"index": idx, "text": r.text, "finish_reason": r.finish_reason, "logprobs": lp,
               "token_ids": r.token_ids}
     if isinstance(body.prompt, list) and len(body.prompt) > 1 and not isinstance(
@@ -237,12 +245,11 @@ async def _chat_stream(server: ServerState, body: ChatBody, prompt: list[int],
             yield _sse_failure(x)
             return
         if kind == "delta":
-            text, ids, lps = x
-            chunk = ChoiceResult(prompt, ids, lps, [], "", text)
+            text, ids, lps, tops = x
+            chunk = ChoiceResult(prompt, ids, lps, [], "", text, top_logprobs=tops)
             yield _sse(head | {"choices": [{
                 "index": k, "delta": {"content": text}, "finish_reason": None,
-                "logprobs": server.chat_logprobs(chunk) if body.logprobs else None,
-                "token_ids": ids}]})
+                "logprobs": _chat_logprobs(server, body, chunk), "token_ids": ids}]})
             continue
         results[k] = x
         delta: dict[str, Any] = {}
@@ -253,7 +260,7 @@ async def _chat_stream(server: ServerState, body: ChatBody, prompt: list[int],
             if "tool_calls" in delta:  # a streamed call says which call it continues
                 delta["tool_calls"] = [{"index": j} | c for j, c in enumerate(delta["tool_calls"])]
             ids = x.token_ids
-            lp = server.chat_logprobs(x) if body.logprobs else None
+            lp = _chat_logprobs(server, body, x)
         else:
             finish, lp = x.finish_reason, None
         yield _sse(head | {"choices": [{"index": k, "delta": delta, "finish_reason": finish,
@@ -280,8 +287,8 @@ async def _completion_stream(server: ServerState, body: CompletionBody,
             yield _sse_failure(x)
             return
         if kind == "delta":
-            text, ids, lps = x
-            lp = (server.completion_logprobs(ids, lps, offsets[idx])
+            text, ids, lps, tops = x
+            lp = (server.completion_logprobs(ids, lps, offsets[idx], tops)
                   if body.logprobs is not None else None)
             offsets[idx] += len(text)
             yield _sse(head | {"choices": [{"index": idx, "text": text, "finish_reason": None,

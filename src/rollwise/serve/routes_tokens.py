@@ -6,7 +6,9 @@ sampled ids, their behaviour log-probs and the policy version of each token out)
 A sample seeded `seeds[k]` is exactly the engine's request with that seed, so a client that
 seeds like the in-process scheduler gets its samples token for token; `resume` continues
 partial samples (an aborted call's, or one cut by a weight update) as the engine's
-`submit(resume=...)` does.
+`submit(resume=...)` does. `top_logprobs: k` adds, per sampled token, the k most likely
+[id, log-prob] pairs of the model's temperature-1 distribution before truncation (a resumed
+sample with it carries its own lists, as a previous call returned them).
 
 Imports FastAPI, `serve.choices`, `serve.driver`, `serve.errors`, `serve.routes_openai`
 (`unless_gone`), `serve.schemas`, `serve.text` and `types`; `serve.state` (`ServerState`).
@@ -36,7 +38,8 @@ def add_token_routes(app: FastAPI, server: ServerState, auth: list) -> None:
         server.refuse(body.refusal())
         prompt = server.check_ids(body.prompt_token_ids, "prompt_token_ids",
                                   param="prompt_token_ids")
-        params = server.params(body, len(prompt), body.max_tokens, where="prompt_token_ids")
+        params = server.params(body, len(prompt), body.max_tokens, where="prompt_token_ids",
+                               top=body.top_logprobs or 0)
         resumes = [_partial(server, k, part) for k, part in enumerate(body.resume or [])]
         server.reserve(body.n)
         server.served_requests += 1
@@ -75,7 +78,9 @@ def _partial(server: ServerState, k: int, part) -> Completion:
     if part.token_ids:
         server.check_ids(part.token_ids, f"resume[{k}].token_ids", param="resume")
     versions = list(part.versions) or [server.engine.version] * len(part.token_ids)
-    return Completion(0, list(part.token_ids), list(part.logprobs), "abort", versions)
+    top = None if part.top_logprobs is None else [list(row) for row in part.top_logprobs]
+    return Completion(0, list(part.token_ids), list(part.logprobs), "abort", versions,
+                      top_logprobs=top)
 
 
 def _settler(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
@@ -105,8 +110,11 @@ def _forget(server: ServerState, request_id: str, handles: list[Handle]) -> None
 
 
 def _choice(k: int, c: Completion, h: Handle) -> dict:
-    return {"index": k, "token_ids": c.token_ids, "logprobs": c.logprobs,
-            "versions": c.versions, "finish_reason": c.finish_reason, "timings": h.timings()}
+    out = {"index": k, "token_ids": c.token_ids, "logprobs": c.logprobs,
+           "versions": c.versions, "finish_reason": c.finish_reason, "timings": h.timings()}
+    if h.params.top_logprobs:  # per token, [[id, log-prob], ...] most likely first
+        out["top_logprobs"] = [[list(p) for p in row] for row in c.top_logprobs or []]
+    return out
 
 
 def _add_tokenizer_routes(app: FastAPI, server: ServerState, auth: list) -> None:

@@ -4,8 +4,8 @@
 Every field a body may carry is declared. Fields OpenAI clients send that change nothing
 here (`user`, `metadata`, `store`...) are read and ignored; any other field, and any declared
 field set to a value the server cannot honour (penalties, `logit_bias`, `min_tokens`,
-constrained decoding, top log-probs), is refused by `refusal()` with a 400 naming it rather
-than silently dropped. A field sent as null counts as not sent.
+constrained decoding, more than `TOP_LOGPROBS_MAX` top log-probs), is refused by `refusal()`
+with a 400 naming it rather than silently dropped. A field sent as null counts as not sent.
 
 Imports pydantic only.
 """
@@ -16,12 +16,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-TOP_LOGPROBS_LIMIT = ("top_logprobs is not available: the engine returns the log-prob of "
-                      "each sampled token only (use logprobs for those)")
+# the most candidates per token any route returns: OpenAI's chat limit (and vLLM's default
+# max_logprobs); the legacy completions route takes the same, above OpenAI's 5
+TOP_LOGPROBS_MAX = 20
 # read and ignored: they label or route a call, they do not change its tokens
 IGNORED = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier"})
 
 Refusal = tuple[str, str]  # (the field, why it is refused)
+
+
+def top_refusal(name: str, k: int | None) -> Refusal | None:
+    """`name` asks for more top log-probs per token than any route returns."""
+    if k is not None and k > TOP_LOGPROBS_MAX:
+        return name, (f"{name}={k} is over the limit of {TOP_LOGPROBS_MAX} top log-probs "
+                      "per token")
+    return None
 
 
 def unknown_field(body: BaseModel) -> Refusal | None:
@@ -92,9 +101,16 @@ class ChatBody(SamplingBody):
     top_logprobs: StrictInt | None = Field(None, ge=0)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
 
+    @property
+    def top_k_logprobs(self) -> int:
+        """Candidates asked per sampled token (0: none)."""
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
     def refusal(self) -> Refusal | None:
-        if self.top_logprobs:
-            return "top_logprobs", TOP_LOGPROBS_LIMIT
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        if (refused := top_refusal("top_logprobs", self.top_logprobs)) is not None:
+            return refused
         if self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", "tool_choice supports 'auto' and 'none' only"
         return super().refusal()
@@ -107,12 +123,14 @@ class CompletionBody(SamplingBody):
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
 
+    @property
+    def top_k_logprobs(self) -> int:
+        """Candidates asked per sampled token (0: none)."""
+        return self.logprobs or 0
+
     def refusal(self) -> Refusal | None:
-        if self.logprobs:
-            return "logprobs", (
-                f"logprobs={self.logprobs} asks for top log-probs, which are not available: "
-                "the engine returns the log-prob of each sampled token only (use logprobs=0 "
-                "for those)")
+        if (refused := top_refusal("logprobs", self.logprobs)) is not None:
+            return refused
         for name, refused in (("echo", self.echo), ("suffix", bool(self.suffix)),
                               ("best_of", self.best_of not in (None, self.n))):
             if refused:
@@ -137,13 +155,15 @@ class RolloutBody(SamplingBody):
 # -- token routes ---------------------------------------------------------------------------
 
 class Partial(BaseModel):
-    """A sample to continue: its tokens so far with their log-probs and policy versions."""
+    """A sample to continue: its tokens so far with their log-probs and policy versions (and
+    their top log-probs when the call asks for them: the engine continues those lists)."""
 
     model_config = ConfigDict(extra="forbid")
 
     token_ids: list[StrictInt]
     logprobs: list[float]
     versions: list[StrictInt] = Field(default_factory=list)
+    top_logprobs: list[list[tuple[StrictInt, float]]] | None = None
 
 
 class GenerateBody(BaseModel):
@@ -165,8 +185,11 @@ class GenerateBody(BaseModel):
     priority: float = 0.0
     request_id: StrictStr | None = None
     resume: list[Partial] | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0)  # per token, the k likeliest [id, lp]
 
     def refusal(self) -> Refusal | None:
+        if (refused := top_refusal("top_logprobs", self.top_logprobs)) is not None:
+            return refused
         if self.seeds is not None and len(self.seeds) != self.n:
             return "seeds", f"seeds has {len(self.seeds)} entries; n={self.n} needs one each"
         if self.resume is not None and len(self.resume) != self.n:
@@ -176,6 +199,10 @@ class GenerateBody(BaseModel):
                     part.versions and len(part.versions) != len(part.token_ids)):
                 return "resume", (f"resume[{k}]: token_ids, logprobs and versions (when given) "
                                   "must have the same length")
+            if self.top_logprobs and part.token_ids and len(part.top_logprobs or []) != len(
+                    part.token_ids):
+                return "resume", (f"resume[{k}]: top_logprobs asked, so each resumed token "
+                                  "needs its top_logprobs entry (the sample's own, as returned)")
         return unknown_field(self)
 
 

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 
 from rollwise.engine.base import RequestEngine, SamplingParams
-from rollwise.serve.choices import ChoiceResult
 from rollwise.serve.driver import EngineDriver
 from rollwise.serve.errors import APIError
 from rollwise.serve.metrics import ServerMetrics
@@ -79,7 +78,9 @@ class ServerState:
             raise APIError(400, refusal[1], param=refusal[0])
 
     def params(self, body, prompt_len: int, max_tokens: int | None,
-               where: str = "prompt") -> SamplingParams:
+               where: str = "prompt", top: int = 0) -> SamplingParams:
+        """The engine's parameters for one sequence of `body`; `top`: top log-probs per
+        token (checked by the body's refusal)."""
         lim = self.limits
         if body.n > lim.max_n:
             raise APIError(400, f"n={body.n} is over this server's limit of {lim.max_n}",
@@ -102,7 +103,8 @@ class ServerState:
         return SamplingParams(n=1, temperature=temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
                               max_tokens=max_tokens, ignore_eos=body.ignore_eos,
-                              stop_token_ids=self.stop_ids(body.stop_token_ids))
+                              stop_token_ids=self.stop_ids(body.stop_token_ids),
+                              top_logprobs=top)
 
     def stop_ids(self, extra: list[int] | None) -> tuple[int, ...] | None:
         """The ids that end a choice: the model's EOS ids and `extra` (None: EOS only)."""
@@ -133,21 +135,41 @@ class ServerState:
         return self.tokenizer.decode([tid], skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
 
-    def chat_logprobs(self, r: ChoiceResult) -> dict:
+    def chat_token(self, tid: int, lp: float) -> dict:
+        """One token of a chat `logprobs.content` list (its text, log-prob, UTF-8 bytes)."""
+        tok = self.token_text(tid)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+    def chat_logprobs(self, ids: list[int], lps: list[float],
+                      tops: list[list[tuple[int, float]]] | None = None) -> dict:
+        """Chat `logprobs`: per token its entry and `top_logprobs`, the candidates the
+        request asked for, most likely first (empty when it asked for none)."""
         out = []
-        for tid, lp in zip(r.token_ids, r.logprobs):
-            tok = self.token_text(tid)
-            out.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
-                        "top_logprobs": []})
+        for t, (tid, lp) in enumerate(zip(ids, lps)):
+            top = tops[t] if tops is not None else []
+            out.append(self.chat_token(tid, lp)
+                       | {"top_logprobs": [self.chat_token(i, v) for i, v in top]})
         return {"content": out}
 
-    def completion_logprobs(self, ids: list[int], lps: list[float], offset: int = 0) -> dict:
+    def completion_logprobs(self, ids: list[int], lps: list[float], offset: int = 0,
+                            tops: list[list[tuple[int, float]]] | None = None) -> dict:
+        """Legacy completions `logprobs`; `top_logprobs` per token is {text: log-prob} of
+        the candidates asked for (None when none were): candidates whose texts coincide
+        keep the likelier one's value, as one JSON object cannot hold a key twice."""
         tokens = [self.token_text(t) for t in ids]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": None,
+        top = None
+        if tops is not None:
+            top = []
+            for row in tops:
+                texts: dict[str, float] = {}
+                for tid, v in row:  # most likely first
+                    texts.setdefault(self.token_text(tid), v)
+                top.append(texts)
+        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top,
                 "text_offset": offsets}
 
     def record(self, episode: str | None, record: dict) -> None:
