@@ -5,11 +5,25 @@ entropy branching (group size, fork positions, shared prefixes)."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 import torch
 
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.engine import native as native_module
+from rollwise.rollout import RolloutScheduler, trees
+from rollwise.rollout.trees import (
+    TreeSettings,
+    entropy_cuts,
+    forced_mask,
+    latr_forks,
+    rouge_l,
+    too_similar,
+    tree_share,
+)
+from rollwise.types import EncodedPrompt, Sample
 
 EOS = 2
 PROMPTS = [[1, 20, 30, 40, 12, 7, 9, 33], [1, 5], [1, 44, 45, 46, 47]]
@@ -119,3 +133,180 @@ def test_statistics_survive_abort_resume_and_drafts(model) -> None:
     with pytest.raises(ValueError, match="does not carry them"):
         engine.submit(PROMPTS[0], params, seed=1, resume=part.__class__(
             0, part.token_ids, part.logprobs, "abort", part.versions))
+
+
+# -- the rules -----------------------------------------------------------------------------------
+
+
+def test_latr_fork_rule_on_given_probabilities() -> None:
+    # second candidate likely enough (>= 0.25) and within half of the first: fork
+    assert latr_forks(0.45, 0.40, 0.25, 0.5)
+    assert latr_forks(0.50, 0.25, 0.25, 0.5)  # both bounds are inclusive
+    assert not latr_forks(0.50, 0.24, 0.25, 0.5)  # too unlikely in absolute terms
+    assert not latr_forks(0.70, 0.30, 0.25, 0.5)  # likely, but far from the first (0.4 > 0.35)
+    assert latr_forks(0.70, 0.30, 0.25, 0.6)  # a wider margin admits it
+
+
+def test_similarity_pruning_rule() -> None:
+    assert rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert rouge_l([1, 2, 3, 4], [5, 6, 7, 8]) == 0.0
+    assert rouge_l([1, 2, 3, 4], [1, 9, 3, 4]) == pytest.approx(2 * 3 / 8)  # LCS 1 3 4
+    assert rouge_l([], []) == 1.0 and rouge_l([1], []) == 0.0
+    # a branch that differs from its parent in its forced token only is a near-copy
+    assert too_similar([7, 2, 3, 4, 5], [6, 2, 3, 4, 5], 0.75)
+    assert not too_similar([7, 8, 3, 9, 5], [6, 2, 3, 4, 5], 0.75)
+
+
+def test_share_decays_linearly_to_zero() -> None:
+    s = TreeSettings(mode="latr", share=0.8, decay_steps=10)
+    assert [tree_share(s, k) for k in (0, 5, 10, 20)] == pytest.approx([0.8, 0.4, 0.0, 0.0])
+    assert tree_share(TreeSettings(mode="latr", share=0.3), 1000) == 0.3  # no decay
+
+
+def test_entropy_cuts_and_forced_mask() -> None:
+    assert entropy_cuts([0.1, 0.9, 0.5, 0.9], 3) == [1, 3, 2]
+    assert entropy_cuts([0.2, 0.1], 3) == [0, 1, 0]  # short response: cycled
+    assert forced_mask(3, 5, "mask") == [0, 0, 0, 1, 1]
+    assert forced_mask(3, 5, "keep") is None and forced_mask(0, 5, "mask") is None
+
+
+# -- LATR through the scheduler ----------------------------------------------------------------
+
+
+def _groups(k: int, seed: int = 0) -> list[EncodedPrompt]:
+    gen = random.Random(seed)
+    return [EncodedPrompt(Sample(id=f"p{i}", prompt="", answer=""),
+                          [1] + [gen.randrange(20, 88) for _ in range(gen.randrange(3, 7))])
+            for i in range(k)]
+
+
+def _latr(model, n=4, temperature=1.0, max_tokens=12, **tree):
+    engine = NativeEngine(model, eos_token_ids=[EOS])
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens)
+    settings = TreeSettings(mode=tree.pop("mode", "latr"), **tree)
+    return engine, RolloutScheduler(engine, params, tree=settings, seed=3)
+
+
+def _greedy_second(model, ids, max_tokens):
+    """Along the greedy path from `ids`: (tokens, p1, p2, second token) per position."""
+    tokens, p1, p2, second = [], [], [], []
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            probs = model(input_ids=torch.tensor([ids + tokens])).logits[0, -1].softmax(-1)
+        v, i = torch.topk(probs, 2)
+        p1.append(float(v[0]))
+        p2.append(float(v[1]))
+        second.append(int(i[1]))
+        tokens.append(int(i[0]))
+        if tokens[-1] == EOS:
+            break
+    return tokens, p1, p2, second
+
+
+def test_latr_forks_where_the_rule_says(model) -> None:
+    """The threshold is set between the largest second-candidate probability on the
+    root's greedy path and every earlier one: the root's first fork is there, onto that
+    second candidate (a fork needs a token after it: not at the last position)."""
+    prompt = _groups(1)[0]
+    tokens, p1, p2, second = _greedy_second(model, prompt.ids, 12)
+    at = max(range(len(p2) - 1), key=lambda t: p2[t])
+    threshold = (p2[at] + max(p2[:at])) / 2 if at else p2[at] * 0.999
+    engine, sched = _latr(model, n=2, latr_threshold=threshold, latr_margin=1.0,
+                          forced_tokens="keep")
+    group = sched.run([prompt]).groups[0]
+    assert len(group.trajectories) == 2
+    assert sched.trees.log[0] == (0, at, second[at])
+    child = next(t for t in group.trajectories if len(t.response_ids) > at
+                 and t.response_ids[at] == second[at])
+    assert child.response_ids[:at] == tokens[:at]
+    assert child.logprobs[at] == pytest.approx(math.log(p2[at]), abs=1e-4)  # 'keep'
+    assert child.loss_mask is None
+
+
+def test_latr_keeps_group_size_and_treats_forced_tokens_by_config(model) -> None:
+    """Forks everywhere (threshold 0.02): the group fills fast, then samples at T=0.7.
+    'mask' zeroes the greedy/forced tokens; 'keep' records their temperature-1 log-probs."""
+    prompts = _groups(3)
+    for forced in ("mask", "keep"):
+        engine, sched = _latr(model, temperature=0.7, latr_threshold=0.02, latr_margin=1.0,
+                              forced_tokens=forced)
+        groups = sched.run(prompts).groups
+        assert [len(g.trajectories) for g in groups] == [4, 4, 4]
+        assert sched.trees.counters.forks >= 3 * 3 and sched.trees.counters.switched > 0
+        for g in groups:
+            for t in g.trajectories:
+                ref, _ = _reference(model, g.trajectories[0].prompt_ids, t.response_ids)
+                temp1 = ref.gather(-1, torch.tensor(t.response_ids)[:, None])[:, 0]
+                if forced == "mask":
+                    assert t.loss_mask is not None and t.loss_mask[0] == 0
+                    greedy = t.loss_mask.index(1) if 1 in t.loss_mask else len(t.loss_mask)
+                    assert t.loss_mask == [0] * greedy + [1] * (len(t.loss_mask) - greedy)
+                else:
+                    assert t.loss_mask is None
+                    greedy = next(k for k, (lp, r) in enumerate(zip(t.logprobs, temp1))
+                                  if abs(lp - float(r)) > 1e-3) if any(
+                        abs(lp - float(r)) > 1e-3 for lp, r in zip(t.logprobs, temp1)) else 0
+                # greedy/forced tokens carry the policy's temperature-1 log-prob
+                assert t.logprobs[:greedy] == pytest.approx(temp1[:greedy].tolist(), abs=1e-4)
+
+
+def test_latr_prunes_near_copies_and_still_fills_the_group(model, monkeypatch) -> None:
+    """The random tiny model copies its last token, so its branches never repeat their
+    parents (the rule itself is tested above on given spans): the first two comparisons are
+    made to prune, and each compares the child's span over [born, born + L) with its
+    parent's over the same positions; the pruned branches leave the group, which still fills."""
+    seen = []
+
+    def prune_first_two(span, parent_span, similarity):
+        seen.append((list(span), list(parent_span)))
+        return len(seen) <= 2
+
+    monkeypatch.setattr(trees, "too_similar", prune_first_two)
+    engine, sched = _latr(model, max_tokens=16, latr_threshold=0.035, latr_margin=1.0,
+                          latr_lookahead=(1, 2), latr_similarity=0.3)
+    groups = sched.run(_groups(2)).groups
+    assert sched.trees.counters.prunes == 2
+    assert [len(g.trajectories) for g in groups] == [4, 4]
+    forced = {tok for _, _, tok in sched.trees.log}
+    for span, parent_span in seen:
+        assert len(span) == len(parent_span) in (1, 2)
+        assert span[0] in forced and span[0] != parent_span[0]
+
+
+def test_share_picks_groups_and_decay_turns_trees_off(model) -> None:
+    engine, sched = _latr(model, share=0.5)
+    hits = sum(sched.trees.takes(uid) for uid in range(400))
+    assert 160 < hits < 240  # binomial(400, 0.5): 4 standard deviations
+    engine, sched = _latr(model, decay_steps=2)
+    engine.publish(2)  # version 2: share decayed to 0
+    groups = sched.run(_groups(2)).groups
+    assert sched.trees.counters.groups == 0 and all(len(g.trajectories) == 4 for g in groups)
+
+
+# -- entropy branching -------------------------------------------------------------------------
+
+
+def test_entropy_branching_forks_at_the_most_uncertain_tokens(model) -> None:
+    prompts = _groups(3, seed=1)
+    engine, sched = _latr(model, mode="entropy", max_tokens=16, entropy_branches=4)
+    groups = sched.run(prompts).groups
+    assert [len(g.trajectories) for g in groups] == [4, 4, 4]
+    assert engine.stats.reused_tokens > 0 and sched.trees.counters.lent_prefixes == 9
+    cuts_by_group: dict[int, list[int]] = {}
+    for uid, t, _ in sched.trees.log:
+        cuts_by_group.setdefault(uid, []).append(t)
+    forks_prefill = 0
+    for uid, g in enumerate(groups):
+        root = g.trajectories[0]  # the root finishes before its forks start
+        ref, _ = _reference(model, root.prompt_ids, root.response_ids)
+        entropy = -(ref.exp() * ref).sum(-1)
+        want = entropy_cuts(entropy.tolist(), 3)
+        assert sorted(cuts_by_group[uid]) == sorted(want)
+        for fork in g.trajectories[1:]:
+            t = max(c for c in want if fork.response_ids[:c] == root.response_ids[:c])
+            assert fork.logprobs[:t] == root.logprobs[:t]
+            assert fork.versions[:t] == root.versions[:t]
+            assert fork.loss_mask is None
+        forks_prefill += len(set(want))
+    # each fork computed one token of its prefix; the rest came from the root's cache
+    assert engine.stats.prefill_tokens == sum(len(p.ids) for p in prompts) + forks_prefill

@@ -29,6 +29,7 @@ from rollwise.rollout import RolloutScheduler, RolloutStage, strategy
 from rollwise.rollout.episodes import EpisodeRunner, keep_env_rewards
 from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import Servers
+from rollwise.rollout.trees import tree_settings
 from rollwise.tasks import Task, make_task
 from rollwise.types import CORRECT
 
@@ -244,7 +245,8 @@ def request_engine_settings(cfg: Config) -> list[str]:
     s = cfg.schedule
     return [k for k, on in {
         f"schedule.strategy='{s.strategy}'": strategy(s.strategy).needs_request_engine,
-        "schedule.spec_group": s.spec_group, "schedule.spec_reuse": s.spec_reuse}.items() if on]
+        "schedule.spec_group": s.spec_group, "schedule.spec_reuse": s.spec_reuse,
+        f"schedule.tree='{s.tree}'": s.tree != "none"}.items() if on]
 
 
 def build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
@@ -265,7 +267,7 @@ def build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
         engine, sampling, decode, strategy=s.strategy, over_provision=s.over_provision,
         max_staleness=s.max_staleness, chunk_tokens=s.chunk_tokens, spec_group=s.spec_group,
         spec_reuse=s.spec_reuse, reuse_rule=s.reuse_rule, lenience=s.lenience,
-        seed=cfg.run.seed)
+        seed=cfg.run.seed, tree=tree_settings(s))
 
 
 def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, policy: Policy,

@@ -158,6 +158,34 @@ def _check_combinations(cfg: Config) -> None:
     if cfg.engine.name != "native" and needs:
         raise ConfigError(f"{', '.join(needs)} needs the native engine "
                           "(engine.name='native')")
+    _check_tree(cfg)
+
+
+def _check_tree(cfg: Config) -> None:
+    """schedule.tree: the strategy and flags a tree can grow under, and a group that
+    divides into its branches."""
+    s, n = cfg.schedule, cfg.rollout.group_size
+    if s.tree == "none":
+        return
+    key = f"schedule.tree = '{s.tree}'"
+    if s.strategy != "continuous":
+        why = {"sync": "admits requests only into an empty batch, so every fork would wait "
+               "for the whole batch", "partial": "keeps unfinished responses across steps, "
+               "and a tree's branches are not resumable samples",
+               "context": "re-queues requests in chunks by predicted length, which a "
+               "tree's forks do not have"}[s.strategy.split("+")[0]]
+        raise ConfigError(f"{key} grows groups under schedule.strategy = 'continuous'; "
+                          f"'{s.strategy}' {why}")
+    for flag in ("spec_reuse", "spec_group"):
+        if getattr(s, flag):
+            raise ConfigError(f"{key} and schedule.{flag} both decide where a response's "
+                              "tokens come from; turn one off")
+    if s.tree == "entropy" and n % s.entropy_branches:
+        raise ConfigError(f"{key}: rollout.group_size = {n} is not a multiple of "
+                          f"schedule.entropy_branches = {s.entropy_branches} (each root and "
+                          "its forks make one share of the group)")
+    if s.tree == "latr" and n < 2:
+        raise ConfigError(f"{key}: rollout.group_size = 1 leaves no room for a branch")
 
 
 def _check_sft(cfg: Config) -> None:

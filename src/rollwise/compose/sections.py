@@ -210,6 +210,44 @@ class ScheduleConfig(Section):
     stale_policy: Literal["drop", "regenerate"] = Field(
         "drop", description="mode 'async': a group with a trajectory beyond max_staleness is "
         "dropped, or rolled out again with the current weights (counted either way).")
+    tree: Literal["none", "latr", "entropy"] = Field(
+        "none", description="Tree rollouts inside a response (docs/rollout.md): 'latr' "
+        "(greedy branches fork onto likely second candidates, near-copies are pruned at "
+        "lookahead points, the full group finishes by sampling), 'entropy' (Tree-GRPO: "
+        "roots fork their other samples at their highest-entropy tokens, sharing the "
+        "prefix's keys/values). Native engine, strategy 'continuous'.")
+    tree_share: float = Field(
+        1.0, ge=0, le=1, description="tree: the fraction of groups grown as trees (the rest "
+        "are sampled as usual).")
+    tree_decay_steps: int = Field(
+        0, ge=0, description="tree: tree_share decays linearly to 0 over this many policy "
+        "versions (0: no decay).")
+    tree_forced_tokens: Literal["mask", "keep"] = Field(
+        "mask", description="latr: tokens chosen greedily or by a fork are not policy "
+        "samples: 'mask' leaves them out of the loss (loss_mask 0), 'keep' trains them with "
+        "the policy's temperature-1 log-prob as their behaviour log-prob.")
+    latr_threshold: float = Field(
+        0.25, gt=0, lt=1, description="latr: a branch forks onto its second candidate when "
+        "that candidate's probability is at least this...")
+    latr_margin: float = Field(
+        0.5, ge=0, le=1, description="latr: ...and within this fraction of the top "
+        "candidate's (p1 - p2 <= latr_margin * p1).")
+    latr_lookahead: list[int] = Field(
+        default_factory=lambda: [20, 30, 50], min_length=1, description="latr: tokens after "
+        "its birth at which a branch is compared with its parent over the same positions.")
+    latr_similarity: float = Field(
+        0.9, gt=0, le=1, description="latr: prune a branch whose ROUGE-L F1 with its parent "
+        "over a lookahead span reaches this.")
+    entropy_branches: int = Field(
+        2, ge=2, description="entropy: samples per root (the root and its forks); a group "
+        "starts group_size / entropy_branches roots.")
+
+    @field_validator("latr_lookahead")
+    @classmethod
+    def _lookahead_positive(cls, v: list[int]) -> list[int]:
+        if any(n < 1 for n in v):
+            raise ValueError("latr_lookahead points are token counts >= 1")
+        return sorted(set(v))
 
 
 class EpisodesConfig(Section):
@@ -345,11 +383,6 @@ class LearnerConfig(Section):
         0.0, ge=0, description="MiB the update's activations may take beyond the weights, "
         "gradients and optimizer state: micro_batch_tokens and logprob_chunk shrink to fit "
         "(an estimate from the model's shape, docs/performance.md; 0: no budget).")
-    optimizer: Literal["adamw", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
-        "adamw", description="'adamw' (torch's AdamW, fused kernel where available), or "
-        "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
-        "bytes a parameter instead of 8 for the moments, slower steps on a CPU "
-        "(docs/performance.md, Memory).")
     optimizer: Literal["adamw", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
         "adamw", description="'adamw' (torch's AdamW, fused kernel where available), or "
         "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "

@@ -170,6 +170,24 @@ class NativeEngine:
         """The request's tokens so far (finish_reason 'abort' if it were stopped now)."""
         return self.admission.requests[rid].completion("abort")
 
+    def branch_kv(self, prompt: list[int], tokens: list[int], cuts: list[int]) -> int:
+        """Tree forks inside a response: the retained keys/values of the finished
+        conversation `prompt` + `tokens` (submitted with keep_kv) are lent to later requests
+        whose prompts are prompt + tokens[:t] for t in `cuts`: each such group takes its
+        copy at admission (counted in `reused_tokens`) and computes only its last token. The
+        conversation's own entry is let go. Returns the entries made (0: nothing retained,
+        e.g. dropped for room or by a publication; the forks are then prefilled in full)."""
+        full, retained = tuple(prompt) + tuple(tokens), self.admission.retained
+        need = len(prompt) + max(cuts, default=0)
+        key = next((k for k in reversed(retained) if len(k) >= need and full[: len(k)] == k),
+                   None)
+        if key is None:
+            return 0
+        kv = retained.pop(key)
+        for n in sorted({len(prompt) + t for t in cuts}):
+            retained[full[:n]] = kv[:, :, :, :n]  # views: no copy until a fork is admitted
+        return len(set(cuts))
+
     @torch.inference_mode()
     def abort(self, rid: int) -> Completion:
         """Stop a request; its partial tokens, log-probs and versions come back."""
@@ -215,8 +233,8 @@ class NativeEngine:
                                          and r.finish_reason(self.max_context) is not None}
             single = [i for i, r in enumerate(rows) if r.inputs == 1 and i not in done]
             multi = [i for i, r in enumerate(rows) if r.inputs > 1 and i not in done]
-            if multi and single and len(rows) <= self.verifier.spec_max_batch:
-                multi, single = single + multi, []  # small batch: one pass, a little padding
+            if multi and single and self.verifier.merges(len(rows), len(multi)):
+                multi, single = single + multi, []  # one pass, some padding (merges says when)
             if single and not multi and not done and self.decode_step.mode != "rows":
                 # every row decodes one token: the static-shape step
                 self._decode(rows)

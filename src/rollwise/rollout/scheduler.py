@@ -39,6 +39,7 @@ from rollwise.engine.sampling import derive_seed
 from rollwise.rollout.drafts import GroupNgramIndex
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.strategy import strategy as strategy_named
+from rollwise.rollout.trees import TreeGrower, TreeSettings
 from rollwise.types import Completion, EncodedPrompt, Group, Sample, Trajectory
 
 REUSE_RULES = ("exact", "coupled", "spec-rl")
@@ -54,6 +55,7 @@ class _Slot:
     rid: int | None = None
     finished_at: float = 0.0
     indexed: int = 0  # spec_group: tokens of this sample already in the group's index
+    mask: list[int] | None = None  # tree rollouts: loss_mask of greedy/forced tokens
 
 
 @dataclass
@@ -84,7 +86,9 @@ class RolloutScheduler:
                  strategy: str = "continuous", over_provision: float = 2.0,
                  max_staleness: int = 4, chunk_tokens: int = 16, spec_group: bool = False,
                  spec_reuse: bool = False, reuse_rule: str = "exact", lenience: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, tree: TreeSettings | None = None):
+        """`tree`: grow groups as trees inside a response (rollout/trees.py; None or mode
+        'none': off)."""
         kind = strategy_named(strategy)
         if reuse_rule not in REUSE_RULES:
             raise ValueError(f"reuse_rule must be one of {', '.join(REUSE_RULES)}, "
@@ -101,9 +105,11 @@ class RolloutScheduler:
         self.previous_seeds: dict[tuple, list[int]] = {}  # and their seeds (rule 'coupled')
         self._uid = 0
         self._by_rid: dict[int, tuple[_PendingGroup, _Slot]] = {}
+        self.trees = (TreeGrower(engine, self.params, tree, seed)
+                      if tree is not None and tree.mode != "none" else None)
         # the engine's admission mode and draft source, passed with every step
         self._step_options = {"static_batch": kind.static_batch,
-                              "drafter": self._draft if spec_group else None}
+                              "drafter": self._draft if spec_group or spec_reuse else None}
 
     @property
     def version(self) -> int:
@@ -159,13 +165,12 @@ class RolloutScheduler:
             if self.partial and len(delivered) >= target:
                 break
             for c in self.engine.step(**self._step_options):
-                g, slot = self._by_rid.pop(c.request_id)
-                slot.done, slot.rid, slot.partial = c, None, None
-                slot.finished_at = time.perf_counter() - start
-                done_times.append(slot.finished_at)
-                self._on_finish(g, c)
-                if g.complete:
+                done_times.append(time.perf_counter() - start)
+                g = self._take(c, done_times[-1])
+                if g is not None and g.complete:
                     deliver(g)
+            if self.trees is not None:
+                self.trees.after_step()
         makespan = time.perf_counter() - start
         self._abort_rest(groups)
         out = [delivered[uid] for uid in sorted(delivered)]  # pooled first, then as asked
@@ -178,6 +183,16 @@ class RolloutScheduler:
                     self.previous[tuple(g.ids)] = [s.done for s in g.slots]
                     self.previous_seeds[tuple(g.ids)] = [s.seed for s in g.slots]
         return StepReport(out, self._figures(out, before, makespan, done_times, stale))
+
+    def _take(self, c: Completion, now: float) -> _PendingGroup | None:
+        """Record a finished request in its group (a tree's: when that is complete)."""
+        if self.trees is not None and self.trees.owns(c.request_id):
+            return self.trees.finished(c, now)
+        g, slot = self._by_rid.pop(c.request_id)
+        slot.done, slot.rid, slot.partial = c, None, None
+        slot.finished_at = now
+        self._on_finish(g, c)
+        return g
 
     def _new_group(self, sample: Sample, ids: list[int], n: int) -> _PendingGroup:
         uid = self._uid
@@ -200,9 +215,11 @@ class RolloutScheduler:
         return {"stale_dropped": dropped, "stale_dropped_tokens": tokens}
 
     def _submit(self, g: _PendingGroup) -> None:
-        if self.spec_group and g.index is None:
-            g.index = GroupNgramIndex(max_context=8, min_context=2, min_share=0.7)
+        if self.trees is not None and self.trees.takes(g.uid):
+            return self.trees.start(g)
         previous = self.previous.get(tuple(g.ids)) if self.spec_reuse else None
+        if g.index is None and (self.spec_group or previous is not None):
+            g.index = self._new_index(g, previous)
         probe = True
         for k, s in enumerate(g.slots):
             if s.done is not None:
@@ -237,26 +254,42 @@ class RolloutScheduler:
                 if s.rid is not None and s.done is None:
                     self.engine.set_priority(s.rid, self._priority(g, False))
 
+    @staticmethod
+    def _context(g: _PendingGroup) -> list[int]:
+        """The prompt's end that drafts continue (so a draft may start at the first token)."""
+        return g.ids[-8:]
+
+    def _new_index(self, g: _PendingGroup, previous: list[Completion] | None
+                   ) -> GroupNgramIndex:
+        """A group's n-gram index; with spec_reuse, seeded with the previous epoch's
+        responses to its prompt (drafts after a reused response is rejected)."""
+        index = GroupNgramIndex(max_context=8, min_context=2, min_share=0.7)
+        context = self._context(g)
+        for c in previous or []:
+            index.add(context + c.token_ids, start=len(context))
+        return index
+
     def _draft(self, rows: list[tuple[int, list[int]]], limit: int) -> list[list[int]]:
         """Seer's grouped drafts: continue each row from the n-gram index of its siblings'
-        responses, finished or still running (brought up to date at every call)."""
-        out = []
-        for rid, tokens in rows:
-            g, me = self._by_rid.get(rid, (None, None))
-            if g is None or g.index is None:
-                out.append([])
-                continue
-            context = g.ids[-8:]  # the prompt's end: drafts may start at the first token
-            for s in g.slots:
-                if s is me:
-                    continue
-                c = s.done or (self.engine.peek(s.rid) if s.rid is not None else s.partial)
-                if c is not None and len(c.token_ids) > s.indexed:
-                    g.index.add(context + c.token_ids, start=len(context) + s.indexed)
-                    s.indexed = len(c.token_ids)
-            out.append(g.index.draft(context + tokens, limit)
-                       if g.index.table else [])
-        return out
+        responses, finished or still running (brought up to date at every call), and with
+        spec_reuse of the prompt's previous responses."""
+        found = [self._by_rid.get(rid, (None, None)) for rid, _ in rows]
+        for g in {id(g): g for g, _ in found if g is not None and g.index is not None}.values():
+            self._index_siblings(g)
+        return [g.index.draft(self._context(g) + tokens, limit)
+                if g is not None and g.index is not None and g.index.table else []
+                for (g, _), (_, tokens) in zip(found, rows)]
+
+    def _index_siblings(self, g: _PendingGroup) -> None:
+        """Add the tokens each sample of `g` has produced since the last call to its index.
+        A row's own tokens are in it too: the counts they add are the sibling evidence a
+        repeated phrase of its own would give, and no draft is ever taken on trust."""
+        context = self._context(g)
+        for s in g.slots:
+            c = s.done or (self.engine.peek(s.rid) if s.rid is not None else s.partial)
+            if c is not None and len(c.token_ids) > s.indexed:
+                g.index.add(context + c.token_ids, start=len(context) + s.indexed)
+                s.indexed = len(c.token_ids)
 
     def _abort_rest(self, groups: list[_PendingGroup]) -> None:
         for g in groups:
@@ -269,9 +302,12 @@ class RolloutScheduler:
 
     def _to_group(self, g: _PendingGroup) -> Group:
         prompt = EncodedPrompt(g.sample, g.ids)
-        return Group(sample=g.sample, trajectories=[
+        out = Group(sample=g.sample, trajectories=[
             Trajectory.from_completion(prompt, s.done, self.decode, self.version,
                                        {"rollout_done": s.finished_at}) for s in g.slots])
+        for t, s in zip(out.trajectories, g.slots):
+            t.loss_mask = s.mask
+        return out
 
     def _figures(self, groups: list[Group], before, makespan: float,
                  done_times: list[float], stale: dict[str, int]) -> RolloutFigures:
