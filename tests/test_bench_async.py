@@ -1,0 +1,107 @@
+"""`rollwise bench async` (bench/overlap.py, bench/servers.py): the figures of a row from
+step records, the pairs each asynchronous variant is measured against, the in-process
+asynchronous variant listed with the build's reason, and (slow) the remote variants against
+a `rollwise serve` process the bench starts and stops: the same trajectories as in process."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rollwise.bench import overlap
+from rollwise.bench.servers import serve_command
+
+CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
+SMALL = ["run.threads=1", "rollout.prompts_per_step=4", "task.num_eval=24"]
+
+
+def record(wall: float, train: float, rollout: float, trained: int = 8) -> dict:
+    return {"wall_time": wall, "time_train": train, "time_rollout": rollout,
+            "time_reward": 0.0, "publish_seconds": 0.5, "staleness_hist_0": trained,
+            "traj_trained": trained, "traj_filtered": 0, "traj_stale_dropped": 0,
+            "step_tokens": 10}
+
+
+def test_learner_busy_is_train_over_the_steps_wall_time():
+    # steps of 10, 4 and 5 s (the run's clock); the first is the warm-up
+    rows = [record(10.0, 9.0, 1.0), record(14.0, 2.0, 1.0), record(19.0, 4.0, 2.0)]
+    fig = overlap.step_figures(rows, warmup=1)
+    assert fig["per_step_s"] == [4.0, 5.0] and fig["step_s"] == 4.5
+    assert fig["learner_busy"] == pytest.approx((2.0 / 4 + 4.0 / 5) / 2)
+    assert fig["train_s"] == pytest.approx(3.0 + 0.5)  # train + publish medians
+    assert fig["trajectories"] == 24 and fig["tokens"] == 30 and fig["measured_steps"] == 2
+
+
+def test_each_async_variant_is_measured_against_its_own_placements_sync():
+    def row(name, step, rollout, train, acc):
+        return {"variant": name, "step_s": step, "rollout_s": rollout, "train_s": train,
+                "learner_busy": train / step, "accuracy": acc}
+
+    out = overlap.derived([row("local-sync", 4.0, 1.0, 3.0, 0.5),
+                           row("remote-sync", 6.0, 2.0, 4.0, 0.5),
+                           row("remote-async-1", 5.0, 3.0, 4.0, 0.45)])
+    assert out["remote-async-1_over_larger_stage"] == pytest.approx(5.0 / 4.0)
+    assert out["remote-async-1_accuracy_minus_sync"] == pytest.approx(-0.05)
+    assert "ray_overhead" not in out and "local-async-1_over_larger_stage" not in out
+    assert set(overlap.PAIRS) <= set(overlap.VARIANTS)
+    assert all(v in overlap.VARIANTS for v in overlap.PAIRS.values())
+
+
+def test_serve_command_follows_the_config_and_refuses_int8():
+    cfg = SimpleNamespace(model=SimpleNamespace(name="tiny"), run=SimpleNamespace(threads=1),
+                          engine=SimpleNamespace(batch_size=32, kv_budget_tokens=4096))
+    cmd = serve_command(cfg, 8123, "bfloat16")
+    assert cmd[cmd.index("--model") + 1] == "tiny" and cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert cmd[cmd.index("--threads") + 1] == "1"
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "32"
+    with pytest.raises(ValueError, match="int8"):
+        serve_command(cfg, 8123, "int8")
+
+
+def test_in_process_async_is_listed_as_refused_beside_a_trained_sync_row():
+    names = ("local-sync", "local-async-1")
+    data = overlap.run([CONFIG], variants={n: overlap.VARIANTS[n] for n in names}, steps=2,
+                       warmup=1, extra=SMALL)
+    (result,) = data["results"]
+    (row,) = result["variants"]
+    assert row["variant"] == "local-sync" and row["steps"] == 2
+    assert row["trajectories"] == 2 * 4 * 8 and row["tokens"] > 0
+    assert 0 < row["learner_busy"] < 1 and 0 <= row["accuracy"] <= 1
+    (no,) = result["refused"]
+    assert no["variant"] == "local-async-1" and "engine.name='remote'" in no["reason"]
+
+
+def listening(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) == 0
+
+
+@pytest.mark.slow
+def test_remote_variants_train_the_in_process_trajectories(monkeypatch):
+    urls = []
+    real = overlap.train_variant
+
+    def spy(cfg, name, warmup):  # the server each remote variant trained against
+        urls.extend(cfg.engine.remote_urls)
+        return real(cfg, name, warmup)
+
+    monkeypatch.setattr(overlap, "train_variant", spy)
+    names = ("local-sync", "remote-sync", "remote-async-1")
+    data = overlap.run([CONFIG], variants={n: overlap.VARIANTS[n] for n in names}, steps=3,
+                       warmup=1, extra=SMALL)
+    (result,) = data["results"]
+    by = {r["variant"]: r for r in result["variants"]}
+    assert set(by) == set(names) and not result["refused"]
+    # the same seeds and weights: the server samples what the in-process engine samples
+    assert by["remote-sync"]["tokens"] == by["local-sync"]["tokens"]
+    assert by["remote-sync"]["accuracy"] == by["local-sync"]["accuracy"]
+    assert by["remote-async-1"]["trajectories"] == by["remote-sync"]["trajectories"] == 96
+    assert by["remote-async-1"]["staleness_max"] <= 1
+    assert by["remote-sync"]["server_dtype"] == "float32"
+    assert "remote-async-1_over_larger_stage" in result["derived"]
+    assert len(urls) == 2 and not any(listening(u) for u in urls)  # each server stopped
