@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from rollwise.bench.tree import command as tree_command
+
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Benchmarks: print a table, write --json and an HTML page.")
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write results here (+ .html).")]
@@ -284,3 +286,5 @@ def serve(model: ModelOpt = "tiny", json: JsonOpt = None,
 
     bs.command(model=model, json=json, prompts=prompts, clients=clients, max_tokens=max_tokens,
                reps=reps, natural=natural, device=device, threads=threads)
+
+bench_app.command("tree")(tree_command)  # B-tree: its options are declared in bench/tree.py
