@@ -60,7 +60,7 @@ def chat_rows(content, ids: dict[str, int]) -> list[list[tuple[int, float]]]:
 
 
 def test_chat_top_logprobs_equal_a_direct_forward(served, client):
-    url, policy, ids = served
+    _, policy, ids = served
     for temperature in (0.0, 1.0, 0.5):
         r = client.chat.completions.create(
             model="tiny", messages=MESSAGES, max_tokens=8, temperature=temperature, seed=3,
@@ -84,7 +84,7 @@ def test_chat_top_logprobs_equal_a_direct_forward(served, client):
 
 
 def test_streamed_chat_and_completions_give_the_same_values(served, client):
-    url, policy, ids = served
+    ids = served[2]
     kw = {"model": "tiny", "max_tokens": 10, "seed": 5, "extra_body": {"ignore_eos": True}}
     whole = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=4,
                                            **kw).choices[0].logprobs.content
@@ -106,7 +106,7 @@ def test_streamed_chat_and_completions_give_the_same_values(served, client):
 
 
 def test_legacy_completions_logprobs_k_format(served, client):
-    url, policy, ids = served
+    _, policy, ids = served
     r = client.completions.create(model="tiny", prompt="3*4=", max_tokens=6, temperature=0,
                                   logprobs=2, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
