@@ -3,8 +3,17 @@
     python scripts/crash_harness.py --kills 300 [--seed 0] [--config configs/tiny_arith.toml]
         [--set key=value ...] [--workdir /tmp/rollwise-crash] [--user-code]
 
+    python scripts/crash_harness.py --pair --kills 120 [--mode sync|async|both]
+        [--sync-delay 0.4] [--timeout 20]
+
 --user-code: the run also scores with a verifier and a group term (with an option) named
 by import path, as a user's own code is (rollwise.pipeline.crashtest.USER_CODE).
+
+--pair: a trainer and a `rollwise serve` process, either killed (rollwise/pipeline/
+crashpair.py); prints the kills per victim and phase. The server is started through this
+script (`serve-slow-sync DELAY ...`), which makes each weight load take DELAY seconds more
+so that kills can land inside one (the tiny model's takes about 10 ms). --mode both splits
+the kills between a synchronous run and an asynchronous one (max_staleness 1).
 
 Exits 0 when every finished run equals the uninterrupted reference (metrics, stored
 trajectories, summary counters), 1 otherwise. See rollwise/pipeline/crashtest.py for what it does.
@@ -13,20 +22,90 @@ trajectories, summary counters), 1 otherwise. See rollwise/pipeline/crashtest.py
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from rollwise.compose.config import load_config
+from rollwise.pipeline.crashpair import SERVER, pair_test
 from rollwise.pipeline.crashtest import USER_CODE, crash_test
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["run.num_steps=6", "run.threads=1", "run.checkpoint_every=2",
         "rollout.prompts_per_step=2", "rollout.group_size=4", "task.num_eval=8", "eval.every=3"]
+MODES = {"sync": [], "async": ["schedule.mode='async'", "schedule.max_staleness=1"]}
+
+
+def slow_sync_server(delay_s: float) -> list[str]:
+    """The harness's server command: `rollwise serve` with DELAY seconds added to each
+    weight load (on the engine's thread, where the load itself runs)."""
+    return [sys.executable, __file__, "serve-slow-sync", str(delay_s), *SERVER[3:]]
+
+
+def serve_slow_sync(delay_s: float, argv: list[str]) -> None:
+    from rollwise.cli import main as cli_main
+    from rollwise.serve.weights import WeightStore
+
+    apply = WeightStore.apply
+
+    def slow_apply(self, staged, deadline):
+        time.sleep(delay_s)
+        return apply(self, staged, deadline)
+
+    WeightStore.apply = slow_apply
+    sys.argv = ["rollwise", *argv]
+    cli_main()
+
+
+def pair_config(workdir: Path, port: int, mode: str, timeout_s: float, config: str,
+                overrides: list[str]):
+    """The tiny run against one server on `port`, in `mode` (MODES)."""
+    return load_config(config, [
+        f"run.output_dir='{workdir}'", *TINY, "engine.name='remote'",
+        f"engine.remote_urls=['http://127.0.0.1:{port}']", f"engine.remote_timeout_s={timeout_s}",
+        *MODES[mode], *overrides])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(args, workdir: Path) -> int:
+    """--pair: the kills split over the modes; a table per mode; 0 when all is well."""
+    modes = ["sync", "async"] if args.mode == "both" else [args.mode]
+    ok = True
+    for i, mode in enumerate(modes):
+        kills = args.kills // len(modes) + (i < args.kills % len(modes))
+        cfg = pair_config(workdir / mode, free_port(), mode, args.timeout, args.config,
+                          args.overrides)
+        start = time.perf_counter()
+        report = pair_test(cfg, kills=kills, seed=args.seed + i, workdir=workdir / mode,
+                           server_command=slow_sync_server(args.sync_delay), log=print)
+        ok = ok and report.ok
+        longest = max(report.errors, default=(0.0, ""), key=lambda e: e[0])
+        print(f"\n{mode}: {report.total} kills ({dict(report.signals)}), {report.rounds} runs "
+              f"compared, {report.resumes} trainer resumes, {report.server_restarts} server "
+              f"restarts, {len(report.errors)} trainer errors from a dead server (longest "
+              f"{longest[0]:.1f}s of engine.remote_timeout_s={args.timeout:g}), "
+              f"{report.outlived} trainers finished without it, reference run "
+              f"{report.reference_seconds:.1f}s, total {time.perf_counter() - start:.0f}s: "
+              + ("all equal to the uninterrupted run" if report.ok else "FAILED"))
+        print(report.table())
+        if longest[1]:
+            print(f"longest: {longest[1][:400]}")
+        for failure in report.failures:
+            print("  " + failure)
+    return 0 if ok else 1
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["serve-slow-sync"]:
+        serve_slow_sync(float(sys.argv[2]), sys.argv[3:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
@@ -36,8 +115,17 @@ def main() -> int:
     parser.add_argument("--sigint-share", type=float, default=0.3)
     parser.add_argument("--user-code", action="store_true",
                         help="also score with a verifier and a group term by import path")
+    parser.add_argument("--pair", action="store_true",
+                        help="kill a trainer and an inference server in turn")
+    parser.add_argument("--mode", choices=["sync", "async", "both"], default="both")
+    parser.add_argument("--sync-delay", type=float, default=0.4,
+                        help="--pair: seconds added to each weight load on the server")
+    parser.add_argument("--timeout", type=float, default=20.0,
+                        help="--pair: engine.remote_timeout_s")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rollwise-crash-"))
+    if args.pair:
+        return run_pair(args, workdir)
     user = USER_CODE if args.user_code else []
     cfg = load_config(args.config, [f"run.output_dir='{workdir}'", *TINY, *user,
                                     *args.overrides])

@@ -138,6 +138,10 @@ class RemoteRollout:
                 list(prompt.ids), [seeds[k] for k in todo], [done[k] for k in todo],
                 self.sampling, uid, sent))
             seconds, timings = seconds + answer.seconds, answer.timings
+            if answer.version is not None and answer.version < sent:  # not the run's policy
+                raise RemoteError(f"POST /v1/generate: a server of {', '.join(self.servers.urls)}"
+                                  f" samples with version {answer.version}, older than the "
+                                  f"{sent} it loaded: it restarted; resume the run")
             version = sent if answer.version is None else answer.version
             for k, c in zip(todo, answer.completions, strict=True):
                 done[k] = c

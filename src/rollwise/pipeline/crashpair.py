@@ -1,0 +1,363 @@
+"""The crash harness over a trainer and an inference server, two processes killed in turn.
+
+    report = pair_test(cfg, kills=120, seed=0, workdir=Path("/tmp/pair"),
+                       server_command=SERVER)   # cfg: engine.name = "remote", one URL
+
+A `rollwise serve` process (started from `server_command`, its port taken from the
+config's one URL) and a trainer train the tiny model. The trainer is a child forked from
+this process once the heavy modules are imported and goes the way of `rollwise train`
+(`launch.open_run`, then `train_run`; with `--resume` semantics after a death), so a
+start costs the model's build, not the imports. One trainer trains the reference run
+uninterrupted. Then, round after round, a victim (the trainer or the server, about half
+each) gets SIGKILL (or, `soft_share` of the time, SIGINT or SIGTERM) at a random instant
+of the trainer's life, or (`sync_share` of the time) while the server loads weights
+(`GET /v1/weights` says `updating`). A killed server is started again on the same port,
+from the base model (the trainer's resume publishes its checkpoint's weights to it); a
+trainer that died, or stopped with the server's error, is resumed. A round ends when a
+trainer finishes its run.
+
+Checked: every finished run equals the reference (`crashtest.compare`: metrics to float32
+rounding, trajectories stored exactly once, summary counters); every trainer stopped by a
+dead server exits within `engine.remote_timeout_s` with an error naming the server and the
+route (the phase: `/v1/generate` rollouts, `/v1/weights/update` the weight sync); no
+trainer outlives a dead server by more than that.
+
+The trainer does not wait for a restarted server: a server that comes back holds other
+weights (its base model) and none of the requests in flight, so the trainer stops with
+the error and `--resume` (here, the next trainer) publishes the checkpoint's weights to
+it before rolling out again (docs/remote.md, "Crash harness").
+
+Imports the config, the launcher and crashtest's comparison; httpx for the probes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from rollwise.compose.config import Config, load_config
+from rollwise.pipeline.crashtest import child_exit, compare, read_run, wait_exit
+
+SERVER = [sys.executable, "-m", "rollwise", "serve", "--model", "tiny", "--threads", "1",
+          "--port", "{port}"]
+VICTIMS = ("trainer", "server")
+# where a kill landed, as the server saw it at that instant: the trainer's first weight
+# update not yet done (build, resume), a weight update running, rollouts on the server,
+# neither (the trainer scores, updates, evaluates or checkpoints on its own), or the run's
+# last checkpoint written (the report, the summary, the exit)
+PHASES = ("startup", "sync", "generate", "trainer", "finish")
+ROUTES = ("/v1/generate", "/v1/weights/update")
+REL = 1e-4  # metrics against the reference: float32 rounding of the server's log-probs
+
+
+@dataclass
+class PairReport:
+    kills: Counter = field(default_factory=Counter)  # (victim, phase) -> kills
+    signals: Counter = field(default_factory=Counter)  # signal name -> kills
+    rounds: int = 0
+    resumes: int = 0  # trainers started on a run that had one before
+    server_restarts: int = 0
+    errors: list[tuple[float, str]] = field(default_factory=list)  # (seconds, message)
+    outlived: int = 0  # server kills the trainer finished without needing it again
+    reference_seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.kills.values())
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def longest_error_s(self) -> float:
+        return max((s for s, _ in self.errors), default=0.0)
+
+    def table(self) -> str:
+        """Kills per victim (rows) and phase (columns), Markdown."""
+        lines = ["| victim | " + " | ".join(PHASES) + " | all |",
+                 "|---" * (len(PHASES) + 2) + "|"]
+        for v in VICTIMS:
+            row = [self.kills[(v, p)] for p in PHASES]
+            lines.append(f"| {v} | " + " | ".join(map(str, row)) + f" | {sum(row)} |")
+        cols = [sum(self.kills[(v, p)] for v in VICTIMS) for p in PHASES]
+        lines.append("| both | " + " | ".join(map(str, cols)) + f" | {self.total} |")
+        return "\n".join(lines)
+
+
+class Server:
+    """The server process: started from `command` ("{port}" filled in), probed, signalled."""
+
+    def __init__(self, command: list[str], url: str, log: Path):
+        self.url, self.log = url.rstrip("/"), log
+        port = url.rstrip("/").rsplit(":", 1)[1]
+        self.command = [part.replace("{port}", port) for part in command]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}): "
+                                   f"{self.log.read_text()[-1500:]}")
+            if self._get("/health") is not None:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the server did not answer /health within {timeout_s:g}s")
+
+    def _get(self, route: str):
+        try:
+            r = httpx.get(self.url + route, timeout=5)
+            return r if r.status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    def updates(self) -> int:
+        """Weight updates the server has finished (ok or not), from /metrics."""
+        r = self._get("/metrics")
+        lines = r.text.splitlines() if r is not None else []
+        return int(sum(float(x.rsplit(" ", 1)[1]) for x in lines
+                       if x.startswith("rollwise_weight_updates_total")))
+
+    def phase(self, updates_at_start: int) -> str:
+        """Where the pair stands now (PHASES)."""
+        r = self._get("/v1/weights")
+        if r is not None and r.json().get("updating"):
+            return "sync"
+        if self.updates() <= updates_at_start:
+            return "startup"
+        r = self._get("/v1/stats")
+        return "generate" if r is not None and r.json().get("pending") else "trainer"
+
+    def updating(self) -> bool:
+        r = self._get("/v1/weights")
+        return r is not None and bool(r.json().get("updating"))
+
+    def stop(self, sig: int, timeout_s: float = 60.0) -> None:
+        """Send `sig`, then wait for the exit (SIGKILL past `timeout_s`)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+            raise RuntimeError(f"the server ignored {signal.Signals(sig).name} for "
+                               f"{timeout_s:g}s") from None
+
+
+def _trainer(cfg: Config, root: Path) -> int:
+    """Fork a trainer on `root`: resumed when it holds a config.toml (checked to read back
+    as `cfg`), else a new run (a directory left without one is emptied first)."""
+    resume = (root / "config.toml").is_file()
+    if root.exists() and not resume:
+        shutil.rmtree(root)
+    pid = os.fork()
+    if pid:
+        return pid
+    log = os.open(root.parent / f"{root.name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+
+    def work() -> None:
+        from rollwise.pipeline.launch import RunFinished, open_run, train_run
+
+        if resume and load_config(root / "config.toml") != cfg:
+            raise ValueError("config.toml does not read back as the run's config")
+        try:
+            opened = open_run(cfg, resume=root if resume else None, echo=lambda s: None)
+        except RunFinished:  # killed after the end: nothing left to do
+            return
+        train_run(opened)
+
+    child_exit(work, root.parent / f"{root.name}.error")
+    raise AssertionError("unreachable")
+
+
+def pair_test(cfg: Config, kills: int, seed: int, workdir: Path,
+              server_command: list[str] | None = None, sync_share: float = 0.3,
+              soft_share: float = 0.2, log=lambda s: None) -> PairReport:
+    """Run the harness (the module docstring) until at least `kills` kills."""
+    import rollwise.pipeline.launch  # noqa: F401 - imported once, before the forks
+    from rollwise.models import load_policy
+
+    load_policy(cfg.model.name)  # the model's libraries too: a trainer then builds in ~1 s
+
+    if cfg.engine.name != "remote" or len(cfg.engine.remote_urls) != 1:
+        raise ValueError("pair_test needs engine.name='remote' and one engine.remote_urls")
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg.run.output_dir = str(workdir)
+    server = Server(server_command or SERVER, cfg.engine.remote_urls[0], workdir / "server.log")
+    harness = _Harness(cfg, server, random.Random(seed), kills, sync_share, soft_share)
+    server.start()
+    try:
+        reference = harness.reference(workdir / "reference")
+        while harness.report.total < kills:
+            harness.report.rounds += 1
+            root = workdir / f"round_{harness.report.rounds}"
+            harness.round(root)
+            failures = harness.check(root, reference)
+            harness.report.failures += failures
+            log(f"round {harness.report.rounds}: {harness.report.total} kills so far"
+                + (f"; FAILED: {failures}" if failures else ""))
+    finally:
+        server.stop(signal.SIGKILL)
+    return harness.report
+
+
+class _Harness:
+    """The rounds of `pair_test` and what they found (`report`)."""
+
+    def __init__(self, cfg: Config, server: Server, rng: random.Random, kills: int,
+                 sync_share: float, soft_share: float):
+        self.cfg, self.server, self.rng, self.kills = cfg, server, rng, kills
+        self.sync_share, self.soft_share = sync_share, soft_share
+        self.timeout_s = cfg.engine.remote_timeout_s
+        self.report = PairReport()
+
+    def _config(self, name: str) -> Config:
+        cfg = self.cfg.model_copy(deep=True)
+        cfg.run.name = name
+        return cfg
+
+    def reference(self, root: Path) -> tuple[list[dict], list[tuple], dict]:
+        """Train `root` uninterrupted; its records (crashtest.read_run)."""
+        start = time.monotonic()
+        if (code := wait_exit(_trainer(self._config(root.name), root))) != 0:
+            raise RuntimeError(f"the reference run failed ({code}): {self._error(root)}")
+        self.report.reference_seconds = time.monotonic() - start
+        return read_run(root)
+
+    def check(self, root: Path, reference: tuple) -> list[str]:
+        """What is wrong with the finished run `root` ([] if nothing): as the reference
+        (crashtest.compare; an asynchronous run's version mix depends on timing, so there
+        only what timing cannot change), and within the staleness bound."""
+        if not (root / "summary.json").is_file():
+            return [f"{root.name}: the run did not finish"]
+        exact = self.cfg.schedule.mode == "sync"
+        out = compare(root, reference, rel=REL, exact=exact)
+        if exact:
+            return out
+        bound = self.cfg.schedule.max_staleness
+        for r in read_run(root)[0]:
+            if r["kind"] != "train":
+                continue
+            if r["traj_requested"] != r["traj_trained"] + r["traj_filtered"] \
+                    + r["traj_stale_dropped"]:
+                out.append(f"{root.name}: step {r['step']} lost requested trajectories")
+            if any(r.get(f"staleness_hist_{k}", 0) for k in (*range(bound + 1, 3), "3plus")):
+                out.append(f"{root.name}: step {r['step']} trained tokens over the bound")
+        return out
+
+    def round(self, root: Path) -> None:
+        """Kill and resume (and restart the server) until a trainer finishes `root`."""
+        cfg = self._config(root.name)
+        for life in range(4 * self.kills + 10):  # every life but the last is killed
+            self.report.resumes += life > 0
+            code = self._life(cfg, root)
+            if code is None or code == 0:
+                return
+        self.report.failures.append(f"{root.name}: never finished")
+
+    def _error(self, root: Path) -> str:
+        """The last trainer's error message (its file removed: the next one writes anew)."""
+        path = root.parent / f"{root.name}.error"
+        text = path.read_text() if path.is_file() else "(no message)"
+        path.unlink(missing_ok=True)
+        return text
+
+    def _life(self, cfg: Config, root: Path) -> int | None:
+        """One trainer on `root` and perhaps one kill; the trainer's exit code, or None
+        after a failure (recorded)."""
+        updates = self.server.updates()
+        pid = _trainer(cfg, root)
+        born = time.monotonic()
+        code = self._until_instant(pid, born) if self.report.total < self.kills else None
+        if code is not None:  # it finished (or failed) first
+            return self._ended(root, code)
+        if self.report.total >= self.kills:
+            return self._ended(root, wait_exit(pid))
+        last = root / "checkpoints" / f"step_{cfg.run.num_steps}"
+        phase = "finish" if last.exists() else self.server.phase(updates)
+        victim = self.rng.choice(VICTIMS)
+        sig = signal.SIGKILL
+        if self.rng.random() < self.soft_share:
+            sig = self.rng.choice((signal.SIGINT, signal.SIGTERM))
+        self.report.kills[(victim, phase)] += 1
+        self.report.signals[sig.name] += 1
+        if victim == "trainer":
+            os.kill(pid, sig)
+            return self._ended(root, wait_exit(pid))
+        return self._server_killed(pid, root, sig)
+
+    def _until_instant(self, pid: int, born: float) -> int | None:
+        """Wait for the kill instant: a random one of the reference's span, or (sync_share
+        of the time) the next weight update. The trainer's exit code if it ended first."""
+        span = self.report.reference_seconds
+        sync = self.rng.random() < self.sync_share
+        deadline = born + (1.5 * span if sync else self.rng.uniform(0.0, 1.1 * span))
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            if sync and self.server.updating():
+                time.sleep(self.rng.uniform(0.0, 0.05))  # somewhere inside it
+                return None
+            time.sleep(0.01 if sync else min(0.05, max(deadline - time.monotonic(), 0)))
+        return None
+
+    def _ended(self, root: Path, code: int) -> int | None:
+        if code == 1:
+            self.report.failures.append(f"{root.name}: a trainer failed: "
+                                        f"{self._error(root)[:300]}")
+            return None
+        return code
+
+    def _server_killed(self, pid: int, root: Path, sig: signal.Signals) -> int | None:
+        """After `sig` to the server: the trainer must finish, or stop within the time-out
+        with an error naming the server and the route; then the server starts again."""
+        killed = time.monotonic()
+        self.server.proc.send_signal(sig)
+        code = None
+        while code is None and time.monotonic() < killed + 3 * self.timeout_s:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+            else:
+                time.sleep(0.02)
+        seconds = time.monotonic() - killed
+        self.server.stop(signal.SIGKILL if sig == signal.SIGKILL else sig)
+        self.server.start()
+        self.report.server_restarts += 1
+        if code is None:
+            os.kill(pid, signal.SIGKILL)
+            wait_exit(pid)
+            self.report.failures.append(f"{root.name}: the trainer outlived the dead server "
+                                        f"by {seconds:.0f}s (a hang)")
+            return None
+        if code == 0:
+            self.report.outlived += 1
+            return 0
+        message = self._error(root)
+        self.report.errors.append((seconds, message))
+        if code != 1 or self.server.url not in message or not any(r in message for r in ROUTES):
+            self.report.failures.append(f"{root.name}: exit {code} after the server's death, "
+                                        f"not a clear error: {message[:300]}")
+            return None
+        if seconds > self.timeout_s:
+            self.report.failures.append(f"{root.name}: the error took {seconds:.1f}s, over "
+                                        f"engine.remote_timeout_s={self.timeout_s:g}")
+        return code

@@ -1,0 +1,134 @@
+"""Crash safety of a trainer and an inference server in two processes
+(rollwise.pipeline.crashpair; `scripts/crash_harness.py --pair` runs it longer): a server
+killed during a weight sync stops the trainer within the time-out with an error naming it
+and the route, and the resumed run ends with every step once; a server that restarted
+behind the trainer's back is an error, not rollouts from its base weights; and (slow) the
+harness's rounds, each victim killed at random instants, equal the uninterrupted run."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rollwise.compose.config import load_config
+from rollwise.pipeline.build import build
+from rollwise.pipeline.crashpair import SERVER, Server, pair_test
+from rollwise.rollout.servers import RemoteError
+from runs import records, run_config
+from test_remote import free_port
+
+ROOT = Path(__file__).parents[1]
+TIMEOUT_S = 10
+
+
+def slow_sync(delay_s: float) -> list[str]:
+    """`rollwise serve` whose weight loads take `delay_s` more (scripts/crash_harness.py)."""
+    return [sys.executable, str(ROOT / "scripts" / "crash_harness.py"), "serve-slow-sync",
+            str(delay_s), *SERVER[3:]]
+
+
+def tiny(tmp_path: Path, url: str, *extra: str):
+    return load_config(ROOT / "configs" / "tiny_arith.toml", [
+        f"run.output_dir='{tmp_path}'", "run.num_steps=4", "run.threads=1",
+        "run.checkpoint_every=2", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "task.num_eval=8", "eval.every=0", "engine.name='remote'",
+        f"engine.remote_urls=['{url}']", f"engine.remote_timeout_s={TIMEOUT_S}", *extra])
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = free_port()
+    proc = Server(slow_sync(1.0), f"http://127.0.0.1:{port}", tmp_path / "server.log")
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def test_a_server_killed_mid_sync_is_a_clear_error_in_time_and_resume_finishes(
+        tmp_path, server):
+    """SIGKILL while the server loads version 3: the trainer's error names the server and
+    /v1/weights/update within engine.remote_timeout_s; the server restarted, the run
+    resumes from its step-2 checkpoint and ends with steps 1-4 once each."""
+    cfg = tiny(tmp_path, server.url)
+    cfg.run.name = "killed"
+    stages = build(cfg)
+    publish, killed = stages.rollout_stage.publish, []
+
+    def kill_inside(weights) -> None:
+        if weights.version == 3:
+            def kill() -> None:
+                while not server.updating():
+                    time.sleep(0.01)
+                server.proc.kill()
+                killed.append(time.monotonic())
+            threading.Thread(target=kill, daemon=True).start()
+        publish(weights)
+
+    stages.rollout_stage.publish = kill_inside
+    with pytest.raises(RemoteError) as e:
+        run_config(cfg, "killed", stages=stages)
+    took = time.monotonic() - killed[0]
+    assert took < TIMEOUT_S, (took, e.value)
+    assert server.url in str(e.value) and "/v1/weights/update" in str(e.value), e.value
+    root = tmp_path / "killed"
+    assert [r["step"] for r in records(root, "train")] == [1, 2]
+    server.proc.wait(30)
+    server.start()
+    summary = run_config(cfg, "killed", resume=True)
+    assert summary["steps"] == 4
+    assert [r["step"] for r in records(root, "train")] == [1, 2, 3, 4]
+
+
+def test_a_server_restarted_behind_the_trainer_is_an_error_not_its_base_weights(
+        tmp_path, server):
+    """The server killed and started again between steps 2 and 3 (so it samples with its
+    base model, version 0): step 3's rollouts stop with an error saying so, instead of
+    training on another policy's samples."""
+    cfg = tiny(tmp_path, server.url)
+    stages = build(cfg)
+    select, restarted = stages.select, []
+
+    def restart_then_select():
+        if stages.rollout_stage.version == 2 and not restarted:
+            server.stop(signal.SIGKILL)
+            server.start()
+            restarted.append(True)
+        return select()
+
+    stages.select = restart_then_select
+    with pytest.raises(RemoteError, match="version 0, older than the 2 it loaded") as e:
+        run_config(cfg, "restarted", stages=stages)
+    assert restarted and server.url in str(e.value)
+    assert [r["step"] for r in records(tmp_path / "restarted", "train")] == [1, 2]
+
+
+def pair(tmp_path: Path, *extra: str):
+    cfg = tiny(tmp_path, f"http://127.0.0.1:{free_port()}", "run.num_steps=6",
+               "eval.every=3", *extra)
+    return pair_test(cfg, kills=6, seed=3, workdir=tmp_path / "pair",
+                     server_command=slow_sync(0.3))
+
+
+def _check(report) -> None:
+    assert report.ok, "\n".join(report.failures)
+    assert report.total >= 6 and report.rounds >= 2
+    assert all(sum(report.kills[(v, p)] for p in ("startup", "sync", "generate", "trainer",
+                                                  "finish")) for v in ("trainer", "server"))
+    assert all(s <= TIMEOUT_S for s, _ in report.errors)
+
+
+@pytest.mark.slow
+def test_pair_harness_sync(tmp_path):
+    _check(pair(tmp_path))
+
+
+@pytest.mark.slow
+def test_pair_harness_async(tmp_path):
+    _check(pair(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1"))
