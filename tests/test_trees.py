@@ -310,3 +310,21 @@ def test_entropy_branching_forks_at_the_most_uncertain_tokens(model) -> None:
         forks_prefill += len(set(want))
     # each fork computed one token of its prefix; the rest came from the root's cache
     assert engine.stats.prefill_tokens == sum(len(p.ids) for p in prompts) + forks_prefill
+
+
+def test_short_latr_tree_fills_with_plain_samples_on_its_kept_prompt(model) -> None:
+    """No fork (threshold 0.99): the greedy root ends alone, 3 plain samples fill the group
+    with the root's seeds' siblings, and the root's kept cache lends them the prompt."""
+    prompts = _groups(2)
+    engine, sched = _latr(model, latr_threshold=0.99)
+    groups = sched.run(prompts).groups
+    c = sched.trees.counters
+    assert (c.forks, c.filled, c.lent_prefixes) == (0, 6, 2)
+    assert [len(g.trajectories) for g in groups] == [4, 4]
+    assert engine.stats.prefill_tokens == sum(len(p.ids) + 1 for p in prompts)
+    assert engine.stats.reused_tokens == sum(len(p.ids) - 1 for p in prompts)
+    plain = RolloutScheduler(NativeEngine(model, eos_token_ids=[EOS]), SamplingParams(
+        n=4, max_tokens=12), seed=3).run(prompts).groups
+    for g, p in zip(groups, plain):  # the fill samples are plain slots 1..3, seed for seed
+        assert sorted(t.response_ids for t in g.trajectories[1:]) == sorted(
+            t.response_ids for t in p.trajectories[1:])

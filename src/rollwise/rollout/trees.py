@@ -79,7 +79,8 @@ class TreeCounters:
     prunes: int = 0  # latr branches pruned at a lookahead point
     switched: int = 0  # latr branches moved from greedy to sampling when the group filled
     filled: int = 0  # latr samples drawn plainly because the tree ended short
-    lent_prefixes: int = 0  # entropy forks whose prefix keys/values the engine lent
+    lent_prefixes: int = 0  # prefixes whose keys/values the engine lent (entropy forks, a
+    # short latr tree's prompt to its plain samples)
 
 
 # -- the rules ---------------------------------------------------------------------------------
@@ -254,9 +255,7 @@ class TreeGrower:
         if not cuts:
             return
         ids = tree.group.ids
-        branch_kv = getattr(self.engine, "branch_kv", None)
-        if branch_kv is not None and branch_kv(ids, c.token_ids, cuts):
-            self.counters.lent_prefixes += len(cuts)
+        self._lend(ids, c, cuts)
         for t in cuts:
             params = replace(self.params, max_tokens=self.params.max_tokens - t)
             rid = self.engine.submit(ids + c.token_ids[:t], params, seed=tree.fork_seed(),
@@ -272,7 +271,7 @@ class TreeGrower:
                 resume: Completion | None, born: int) -> _Branch:
         """Submit a greedy branch (the root when `parent` is None)."""
         rid = self.engine.submit(tree.group.ids, self.greedy, seed=seed, resume=resume,
-                                 tag=tree.group.uid)
+                                 tag=tree.group.uid, keep_kv=True)
         checks = sorted(self.settings.latr_lookahead) if parent is not None else []
         b = _Branch(rid, seed, parent, born, checks, seen=born + 1 if parent else 0,
                     tokens=list(resume.token_ids) if resume else [])
@@ -339,8 +338,19 @@ class TreeGrower:
         greedy = len(c.token_ids) if b.greedy < 0 else b.greedy
         tree.place(replace(c, top_logprobs=None),
                    now, forced_mask(greedy, len(c.token_ids), self.settings.forced_tokens))
-        if tree.growing and not tree.running:
-            self._fill(tree)
+        if b.greedy < 0:  # a greedy branch, kept in the cache: the last one of a tree that
+            # ends short lends its prompt to the plain samples that fill it; others let go
+            last = tree.growing and not tree.running
+            self._lend(tree.group.ids, c, [0] if last else [])
+            if last:
+                self._fill(tree)
+
+    def _lend(self, ids: list[int], c: Completion, cuts: list[int]) -> None:
+        """Lend a finished keep_kv request's keys/values to requests whose prompts are
+        ids + its tokens[:t], t in `cuts` (none: just let them go), when the engine can."""
+        branch_kv = getattr(self.engine, "branch_kv", None)
+        if branch_kv is not None and branch_kv(ids, c.token_ids, cuts):
+            self.counters.lent_prefixes += len(cuts)
 
     def _fill(self, tree: _Tree) -> None:
         """The tree ended short of the group: the remaining samples are drawn plainly."""
