@@ -18,6 +18,12 @@ The stage objects must allow one rollout while another thread trains. With the R
 backend the engines are separate processes with their own copy of the weights. In one
 process the engine reads the learner's tensors, which an update changes in place, so the
 local backend runs only `S = 0` (build.check_run_config says so).
+
+With `S >= 1` a publication is handed over (`PublishHandoff`): the learner's step ends once
+the trainer has published, and the producer brings the rollout side to that version (a
+server loading the weights folder, Ray workers taking the reference) just before it starts
+the next step's rollouts, while the learner trains on. The rollouts start with the weights
+they started with before, and never see new weights arrive in the middle of a step.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 from rollwise.pipeline.loop import Collected, collect, learn, staleness_histogram
 from rollwise.run.rundir import Run, StepTimer
 from rollwise.pipeline.stages import Stages
-from rollwise.types import Group
+from rollwise.types import Group, Published
 
 STALE_POLICIES = ("drop", "regenerate")
 
@@ -62,6 +68,68 @@ def bound_staleness(stages: Stages, batch: Collected, version: int, max_stalenes
     return len(stale)
 
 
+class _Port:
+    """A port whose `publish` is the handoff's; everything else is the port's own."""
+
+    def __init__(self, port, publish):
+        self._port, self.publish = port, publish
+
+    def __getattr__(self, name: str):
+        return getattr(self._port, name)
+
+
+class PublishHandoff:
+    """The rollout side of each publication, carried out by the producer thread.
+
+    Installed on `stages` (its two ports wrapped) for the life of the asynchronous driver:
+    the learner thread's `rollout port.publish` only leaves the weights here (the latest
+    wins), and `apply` (the producer, before a step's rollouts) has the rollout port load
+    them, so a server's load of a weights folder no longer stalls the learner. The
+    trainer's next publication waits while one is being applied: it replaces the folder
+    the servers are reading."""
+
+    def __init__(self, stages: Stages):
+        self.stages, self.rollout, self.trainer = stages, stages.rollout_stage, stages.learner
+        self._cv = threading.Condition()
+        self._pending: Published | None = None
+        self._applying = False
+        stages.rollout_stage = _Port(self.rollout, self._leave)
+        stages.learner = _Port(self.trainer, self._publish_trainer)
+
+    def _leave(self, weights: Published) -> None:
+        with self._cv:
+            self._pending = weights
+
+    def _publish_trainer(self, version: int) -> Published:
+        with self._cv:
+            while self._applying:
+                self._cv.wait()
+        return self.trainer.publish(version)
+
+    def apply(self) -> float:
+        """Bring the rollout port to the latest published weights; the seconds it took."""
+        with self._cv:
+            weights, self._pending = self._pending, None
+            self._applying = weights is not None
+        if weights is None:
+            return 0.0
+        start = time.perf_counter()
+        try:
+            self.rollout.publish(weights)
+        finally:
+            with self._cv:
+                self._applying = False
+                self._cv.notify_all()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """The last publication applied, the ports put back as they were."""
+        try:
+            self.apply()
+        finally:
+            self.stages.rollout_stage, self.stages.learner = self.rollout, self.trainer
+
+
 class AsyncSteps:
     """The asynchronous step, in the shape of `loop.SyncSteps` (pass it to `loop.train`
     with `functools.partial(AsyncSteps, max_staleness=S, stale_policy=...)`)."""
@@ -80,6 +148,8 @@ class AsyncSteps:
         self._ready: dict[int, Collected] = {}
         self._error: BaseException | None = None
         self._stop = False
+        # S = 0 stays synchronous training exactly: the rollout side follows at once
+        self._handoff = PublishHandoff(stages) if max_staleness > 0 else None
         self._thread = threading.Thread(target=self._produce, args=(start,), daemon=True,
                                         name="rollwise-producer")
         self._thread.start()
@@ -94,13 +164,15 @@ class AsyncSteps:
                     if self._stop:
                         return
                     version = self._version
+                applied = self._handoff.apply() if self._handoff is not None else 0.0
                 timer = StepTimer()
                 batch = collect(self.stages, timer)
                 batch.phases = dict(timer.phases)
                 # the stages' state once this step's rollouts are taken: what a checkpoint
                 # after this step holds (the later steps' rollouts are generated again)
                 batch.state = json.loads(json.dumps(self.stages.stage_state()))
-                batch.control = dict(batch.control, rollout_started_version=version)
+                batch.control = dict(batch.control, rollout_started_version=version,
+                                     weights_handoff_seconds=applied)
                 with self._cv:
                     self._ready[step] = batch
                     self._cv.notify_all()
@@ -140,3 +212,5 @@ class AsyncSteps:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=600)
+        if self._handoff is not None:
+            self._handoff.close()
