@@ -328,3 +328,21 @@ def test_short_latr_tree_fills_with_plain_samples_on_its_kept_prompt(model) -> N
     for g, p in zip(groups, plain):  # the fill samples are plain slots 1..3, seed for seed
         assert sorted(t.response_ids for t in g.trajectories[1:]) == sorted(
             t.response_ids for t in p.trajectories[1:])
+
+
+@pytest.mark.slow
+def test_bench_tree_counts_every_side() -> None:
+    """`rollwise bench tree` on the tiny arithmetic config (its warm start is cached)."""
+    from rollwise.bench.tree import run
+
+    data = run(None, rounds=1, prompts=3, progress=lambda *_: None,
+               overrides=["run.threads=1", "rollout.group_size=4"])
+    rows = {r["side"]: r for r in data["sides"]}
+    assert set(rows) == {"plain", "latr", "entropy"}
+    for r in rows.values():
+        assert (r["groups"], r["responses"]) == (3, 12)
+        assert r["distinct_correct"] <= r["distinct"] <= r["responses"]
+    assert rows["plain"]["forks"] == rows["plain"]["reused_tokens"] == 0
+    assert rows["entropy"]["forks"] == 6 and rows["entropy"]["reused_tokens"] > 0
+    assert rows["entropy"]["masked_tokens"] == 0
+    assert data["median_entropy_over_plain_seconds"] > 0

@@ -164,13 +164,14 @@ class _Tree:
     live: int = 0  # latr: branches running or finished, not pruned
     growing: bool = True  # latr: still greedy (the group is not full yet)
     made: int = 0  # forks made: the next fork's seed index within the group
-
-    def fork_seed(self) -> int:
-        self.made += 1
-        return derive_seed(self.group.slots[0].seed, _FORK_STREAM + self.made)
     roots: dict[int, int] = field(default_factory=dict)  # entropy: root rid -> its forks
     forks: dict[int, tuple[Completion, int]] = field(default_factory=dict)  # entropy: fork
     # rid -> (its root, the cut)
+
+    def fork_seed(self) -> int:
+        """A new seed for the group's next fork (a function of the group alone)."""
+        self.made += 1
+        return derive_seed(self.group.slots[0].seed, _FORK_STREAM + self.made)
 
     def place(self, c: Completion, now: float, mask: list[int] | None = None) -> None:
         slot = next(s for s in self.group.slots if s.done is None)
@@ -221,7 +222,7 @@ class TreeGrower:
             self._owner[rid] = tree
             tree.roots[rid] = (n - roots) // roots + (k < (n - roots) % roots)
 
-    def finished(self, c: Completion, now: float):
+    def finished(self, c: Completion, now: float) -> Any:
         """Take a finished request of a tree; returns its group when that is complete."""
         tree = self._owner.pop(c.request_id)
         if tree.mode == "entropy":
