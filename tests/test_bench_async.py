@@ -1,11 +1,15 @@
 """`rollwise bench async` (bench/overlap.py, bench/servers.py): the figures of a row from
 step records, the pairs each asynchronous variant is measured against, the in-process
 asynchronous variant listed with the build's reason, and (slow) the remote variants against
-a `rollwise serve` process the bench starts and stops: the same trajectories as in process."""
+a `rollwise serve` process the bench starts and stops: the same trajectories as in process.
+Also the asynchronous driver's publication handoff (pipeline/asyncloop.py), which those
+remote variants exercise."""
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +17,8 @@ import pytest
 
 from rollwise.bench import overlap
 from rollwise.bench.servers import serve_command
+from rollwise.pipeline.asyncloop import PublishHandoff
+from rollwise.types import Published
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 SMALL = ["run.threads=1", "rollout.prompts_per_step=4", "task.num_eval=24"]
@@ -105,3 +111,43 @@ def test_remote_variants_train_the_in_process_trajectories(monkeypatch):
     assert by["remote-sync"]["server_dtype"] == "float32"
     assert "remote-async-1_over_larger_stage" in result["derived"]
     assert len(urls) == 2 and not any(listening(u) for u in urls)  # each server stopped
+
+
+def test_the_rollout_side_loads_published_weights_when_the_producer_applies_them():
+    calls, loading, release = [], threading.Event(), threading.Event()
+
+    class Rollout:
+        version = 0
+
+        def publish(self, weights):
+            loading.set()
+            release.wait(10)
+            calls.append(("load", weights.version))
+
+    class Trainer:
+        def publish(self, version):
+            calls.append(("write", version))
+            return Published(version, f"v{version}", 1)
+
+    rollout, trainer = Rollout(), Trainer()
+    stages = SimpleNamespace(rollout_stage=rollout, learner=trainer)
+    handoff = PublishHandoff(stages)
+    for v in (1, 2):  # what loop.learn does, twice before the producer applies
+        stages.rollout_stage.publish(stages.learner.publish(v))
+    assert calls == [("write", 1), ("write", 2)] and stages.rollout_stage.version == 0
+    producer = threading.Thread(target=handoff.apply)
+    producer.start()
+    assert loading.wait(10)
+    writer = threading.Thread(target=lambda: stages.learner.publish(3))
+    writer.start()  # the next publication replaces the folder being read: it waits
+    time.sleep(0.2)
+    assert calls == [("write", 1), ("write", 2)]
+    release.set()
+    producer.join(10)
+    writer.join(10)
+    assert calls == [("write", 1), ("write", 2), ("load", 2), ("write", 3)]  # latest wins
+    assert handoff.apply() == 0.0  # nothing left behind
+    stages.rollout_stage.publish(Published(3, "v3", 1))
+    handoff.close()  # the last publication reaches the rollout side; the ports restored
+    assert calls[-1] == ("load", 3)
+    assert stages.rollout_stage is rollout and stages.learner is trainer
