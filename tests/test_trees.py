@@ -346,3 +346,20 @@ def test_bench_tree_counts_every_side() -> None:
     assert rows["entropy"]["forks"] == 6 and rows["entropy"]["reused_tokens"] > 0
     assert rows["entropy"]["masked_tokens"] == 0
     assert data["median_entropy_over_plain_seconds"] > 0
+
+
+def test_latr_switch_in_place_equals_abort_and_resume(model, monkeypatch) -> None:
+    """Retuning a greedy branch to sampling gives the tokens an abort + resume with the same
+    seed gives (draws are a function of seed and position), without the recomputation."""
+    prompts = _groups(3)
+    settings = dict(temperature=0.7, latr_threshold=0.02, latr_margin=1.0)
+    engine, sched = _latr(model, **settings)
+    retuned = sched.run(prompts).groups
+    monkeypatch.delattr(NativeEngine, "retune")
+    engine2, sched2 = _latr(model, **settings)
+    resumed = sched2.run(prompts).groups
+    assert sched.trees.counters.switched == sched2.trees.counters.switched > 0
+    for a, b in zip(retuned, resumed):
+        key = sorted((t.response_ids, t.loss_mask) for t in a.trajectories)
+        assert key == sorted((t.response_ids, t.loss_mask) for t in b.trajectories)
+    assert engine.stats.recompute_tokens < engine2.stats.recompute_tokens

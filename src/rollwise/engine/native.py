@@ -151,6 +151,23 @@ class NativeEngine:
         self.admission.queue(req)
         return rid
 
+    def retune(self, rid: int, params: SamplingParams) -> None:
+        """Draw a running request's next tokens under `params` (temperature, top-k/top-p;
+        its stop tokens and max_tokens stay those it was submitted with): tree rollouts move
+        greedy branches to sampling without recomputing them. Statistics `params` no longer
+        asks for are dropped; new ones cannot be asked for midway."""
+        req = self.admission.requests[rid]
+        if (params.top_logprobs > 0 and req.top_logprobs is None) or (
+                params.entropy and req.entropies is None):
+            raise ValueError("retune cannot start per-token statistics midway")
+        if params.max_tokens != req.params.max_tokens:
+            raise ValueError("retune keeps the request's max_tokens")
+        req.params = params
+        if params.top_logprobs <= 0:
+            req.top_logprobs = None
+        if not params.entropy:
+            req.entropies = None
+
     def set_priority(self, rid: int, priority: float) -> None:
         """Re-rank a waiting or running request (ignored once it has finished)."""
         if rid in self.admission.requests:

@@ -316,9 +316,16 @@ class TreeGrower:
         self._owner.pop(b.rid, None)
 
     def _switch(self, tree: _Tree) -> None:
-        """The group is full: every running branch continues with the rollout's sampling."""
+        """The group is full: every running branch continues with the rollout's sampling
+        (retuned in place, or aborted and resumed by an engine that cannot retune)."""
         tree.growing = False
+        retune = getattr(self.engine, "retune", None)
         for b in list(tree.running.values()):
+            self.counters.switched += 1
+            if retune is not None:  # b.tokens: as peeked in this after_step
+                b.greedy = len(b.tokens)
+                retune(b.rid, self.params)
+                continue
             part = self.engine.abort(b.rid)
             self._drop(tree, b)
             b.greedy = len(part.token_ids)
@@ -327,7 +334,6 @@ class TreeGrower:
                                        tag=tree.group.uid)
             tree.running[b.rid] = b
             self._owner[b.rid] = tree
-            self.counters.switched += 1
 
     def _latr_finished(self, tree: _Tree, c: Completion, now: float) -> None:
         b = tree.running.pop(c.request_id, None)
