@@ -37,26 +37,43 @@ class DraftVerifier:
         self.decoder, self.cache, self.stats, self.emit = decoder, cache, stats, emit
         self.spec_tokens, self.spec_max_batch = spec_tokens, spec_max_batch
         self.verify_window = verify_window
+        self.merge_share = 0.5  # see `merges`
+        self._windows: dict[int, int] = {}  # request id -> its long draft's next window
 
     def attach_drafts(self, rows: list[Request], drafter: Drafter | None) -> None:
-        """Ask the drafter for continuations of the resident `rows` when the batch is small
-        enough to profit."""
-        if drafter is None or sum(not r.zombie for r in rows) > self.spec_max_batch:
+        """Ask the drafter for continuations of the resident `rows` that have none: when the
+        batch is small enough to profit, or when a row already carries a draft (a reused
+        response), since a verification pass runs this step anyway and a row drafted into
+        it costs padding, not a pass of its own."""
+        live = [r for r in rows if not r.zombie]
+        if len(self._windows) > 2 * len(rows):  # requests aborted with a draft left
+            here = {r.id for r in rows}
+            self._windows = {k: v for k, v in self._windows.items() if k in here}
+        if drafter is None or (len(live) > self.spec_max_batch
+                               and not any(r.draft for r in live)):
             return
-        rows = [r for r in rows if not r.zombie and not r.draft and r.inputs == 1]
+        rows = [r for r in live if not r.draft and r.inputs == 1]
         if not rows:
             return
         drafts = drafter([(r.id, r.tokens) for r in rows], self.spec_tokens)
         for r, d in zip(rows, drafts):
             room = r.params.max_tokens - len(r.tokens) - 1
             r.draft = list(d[: min(self.spec_tokens, room)]) if room > 0 else []
+            if r.draft:  # a drafter's guess has no stored log-probs: the exact rule
+                r.lenience, r.draft_logprobs = None, None
+
+    def merges(self, resident: int, multi: int) -> bool:
+        """Whether this step's one-token rows join the rows with drafts in one pass: in a
+        small batch (a little padding), or when most rows verify a draft anyway (the few
+        without one cost padding instead of a pass of their own)."""
+        return resident <= self.spec_max_batch or multi >= self.merge_share * resident
 
     def verify(self, reqs: list[Request], rows: list[int], resident: int) -> None:
         """One pass over each row's pending tokens plus its draft; emit what is accepted.
         `rows`: the requests' cache rows; `resident`: how many rows the batch holds."""
         start = time.perf_counter()
-        w = self.verify_window
-        chunks = [r.tokens[r.cached:] + r.draft[:w] for r in reqs]
+        windows = [self._window(r) for r in reqs]
+        chunks = [r.tokens[r.cached:] + r.draft[:w] for r, w in zip(reqs, windows)]
         # padded positions of short chunks are written too: room for the widest chunk
         self.cache.ensure_rows(resident, max(r.cached for r in reqs) + max(map(len, chunks)))
         plan = self.decoder.plan(rows, chunks, [r.cached for r in reqs],
@@ -66,17 +83,31 @@ class DraftVerifier:
         self.stats.row_forwards += len(reqs)
         # logits at the last pending token and at every draft token
         picks, spans = [], []
-        for b, r in enumerate(reqs):
+        for b, (r, w) in enumerate(zip(reqs, windows)):
             first = len(r.tokens) - r.cached - 1
-            spans.append((len(picks), len(r.draft[:w]) + 1))
-            picks += [(b, first + k) for k in range(len(r.draft[:w]) + 1)]
+            spans.append((len(picks), w + 1))
+            picks += [(b, first + k) for k in range(w + 1)]
             self.stats.recompute_tokens += first
         ix = torch.tensor(picks, device=hidden.device)
         logits = self.decoder.logits(hidden[ix[:, 0], ix[:, 1]])
         for r, (s, n) in zip(reqs, spans):
             r.cached = len(r.tokens)  # the pending tokens are now cached
             self.accept(r, logits[s: s + n])
+            self._grow(r, n - 1)
         self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _window(self, r: Request) -> int:
+        """Draft tokens of `r` this pass feeds: a long (reused) draft starts with a window
+        of `spec_tokens` that doubles each time it is accepted whole, up to
+        `verify_window`, so a draft rejected early pads the pass little."""
+        return min(len(r.draft), self._windows.get(r.id, self.spec_tokens))
+
+    def _grow(self, r: Request, window: int) -> None:
+        """After `r`'s verification: a window accepted whole (draft left) doubles."""
+        if r.draft:
+            self._windows[r.id] = min(2 * max(window, 1), self.verify_window)
+        else:
+            self._windows.pop(r.id, None)
 
     def accept(self, r: Request, logits: torch.Tensor) -> None:
         """Verify r.draft against `logits` ([len(draft) + 1, V]; [1, V] at admission)."""
