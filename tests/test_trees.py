@@ -335,16 +335,17 @@ def test_bench_tree_counts_every_side() -> None:
     """`rollwise bench tree` on the tiny arithmetic config (its warm start is cached)."""
     from rollwise.bench.tree import run
 
-    data = run(None, rounds=1, prompts=3, progress=lambda *_: None,
+    data = run(None, rounds=1, prompts=3, fork_after=2, progress=lambda *_: None,
                overrides=["run.threads=1", "rollout.group_size=4"])
     rows = {r["side"]: r for r in data["sides"]}
-    assert set(rows) == {"plain", "latr", "entropy"}
+    assert set(rows) == {"plain", "latr", "entropy", "entropy-running"}
     for r in rows.values():
         assert (r["groups"], r["responses"]) == (3, 12)
         assert r["distinct_correct"] <= r["distinct"] <= r["responses"]
     assert rows["plain"]["forks"] == rows["plain"]["reused_tokens"] == 0
     assert rows["entropy"]["forks"] == 6 and rows["entropy"]["reused_tokens"] > 0
     assert rows["entropy"]["masked_tokens"] == 0
+    assert rows["entropy-running"]["forks"] == 6
     assert data["median_entropy_over_plain_seconds"] > 0
 
 
@@ -363,3 +364,30 @@ def test_latr_switch_in_place_equals_abort_and_resume(model, monkeypatch) -> Non
         key = sorted((t.response_ids, t.loss_mask) for t in a.trajectories)
         assert key == sorted((t.response_ids, t.loss_mask) for t in b.trajectories)
     assert engine.stats.recompute_tokens < engine2.stats.recompute_tokens
+
+
+def test_entropy_forks_running_roots_after_a_few_tokens(model) -> None:
+    """entropy_fork_after = 4: each root forks at its highest-entropy position among its first
+    4 tokens while it runs on; the fork carries the root's prefix (log-probs, versions)."""
+    prompts = _groups(3, seed=1)
+    engine, sched = _latr(model, mode="entropy", max_tokens=16, entropy_branches=2,
+                          entropy_fork_after=4)
+    groups = sched.run(prompts).groups
+    assert [len(g.trajectories) for g in groups] == [4, 4, 4]
+    assert sched.trees.counters.forks == 6 and engine.stats.recompute_tokens > 0
+    for uid, g in enumerate(groups):
+        cuts = [t for u, t, _ in sched.trees.log if u == uid]
+        assert len(cuts) == 2 and all(0 <= t < 4 for t in cuts)
+        first_cut = {}  # response -> its argmax-entropy position among its first 4 tokens
+        for t in g.trajectories:
+            ref, _ = _reference(model, t.prompt_ids, t.response_ids)
+            entropy = -(ref.exp() * ref).sum(-1)[:4]
+            first_cut[id(t)] = entropy_cuts(entropy.tolist(), 1)[0]
+        for c in cuts:  # a root whose cut it is, and its fork: same prefix and log-probs
+            assert any(r is not f and first_cut[id(r)] == c
+                       and f.response_ids[:c] == r.response_ids[:c]
+                       and f.logprobs[:c] == r.logprobs[:c]
+                       for r in g.trajectories for f in g.trajectories)
+    _, finished = _latr(model, mode="entropy", max_tokens=16, entropy_branches=2)
+    finished.run(prompts)
+    assert engine.stats.forward_passes < finished.engine.stats.forward_passes

@@ -241,6 +241,10 @@ class ScheduleConfig(Section):
     entropy_branches: int = Field(
         2, ge=2, description="entropy: samples per root (the root and its forks); a group "
         "starts group_size / entropy_branches roots.")
+    entropy_fork_after: int = Field(
+        0, ge=0, description="entropy: fork a running root once it has this many tokens, at "
+        "its highest-entropy positions among them (its forks run beside it; the prefix is "
+        "recomputed, not lent); 0: fork when the root finishes, on its kept cache.")
 
     @field_validator("latr_lookahead")
     @classmethod
@@ -383,8 +387,9 @@ class LearnerConfig(Section):
         0.0, ge=0, description="MiB the update's activations may take beyond the weights, "
         "gradients and optimizer state: micro_batch_tokens and logprob_chunk shrink to fit "
         "(an estimate from the model's shape, docs/performance.md; 0: no budget).")
-    optimizer: Literal["adamw", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
-        "adamw", description="'adamw' (torch's AdamW, fused kernel where available), or "
+    optimizer: Literal["adamw", "adamw-foreach", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
+        "adamw", description="'adamw' (torch's AdamW, fused kernel where available; "
+        "'adamw-foreach': its multi-tensor path, the default before), or "
         "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
         "bytes a parameter instead of 8 for the moments, slower steps on a CPU "
         "(docs/performance.md, Memory).")

@@ -59,6 +59,7 @@ class TreeSettings:
     latr_lookahead: tuple[int, ...] = (20, 30, 50)
     latr_similarity: float = 0.9
     entropy_branches: int = 2
+    entropy_fork_after: int = 0
 
 
 def tree_settings(schedule) -> TreeSettings:
@@ -67,7 +68,8 @@ def tree_settings(schedule) -> TreeSettings:
         mode=schedule.tree, share=schedule.tree_share, decay_steps=schedule.tree_decay_steps,
         forced_tokens=schedule.tree_forced_tokens, latr_threshold=schedule.latr_threshold,
         latr_margin=schedule.latr_margin, latr_lookahead=tuple(schedule.latr_lookahead),
-        latr_similarity=schedule.latr_similarity, entropy_branches=schedule.entropy_branches)
+        latr_similarity=schedule.latr_similarity, entropy_branches=schedule.entropy_branches,
+        entropy_fork_after=schedule.entropy_fork_after)
 
 
 @dataclass
@@ -196,7 +198,8 @@ class TreeGrower:
         # what the tests and `bench tree` read
         self.log: deque[tuple[int, int, int]] = deque(maxlen=4096)
         self._owner: dict[int, _Tree] = {}  # request id -> its tree
-        self._trees: list[_Tree] = []  # latr trees still growing
+        self._trees: list[_Tree] = []  # latr trees still growing, entropy trees with roots
+        # still to fork while running
 
     def takes(self, uid: int) -> bool:
         """Whether group `uid` grows as a tree at the engine's current version."""
@@ -221,6 +224,8 @@ class TreeGrower:
             rid = self.engine.submit(g.ids, asks, seed=g.slots[k].seed, tag=g.uid, keep_kv=True)
             self._owner[rid] = tree
             tree.roots[rid] = (n - roots) // roots + (k < (n - roots) % roots)
+        if self.settings.entropy_fork_after > 0:
+            self._trees.append(tree)
 
     def finished(self, c: Completion, now: float) -> Any:
         """Take a finished request of a tree; returns its group when that is complete."""
@@ -233,8 +238,14 @@ class TreeGrower:
 
     def after_step(self) -> None:
         """latr: look at what each growing branch drew this step (forks, pruning), and move
-        full groups to sampling."""
+        full groups to sampling; entropy with entropy_fork_after: fork the roots that are
+        long enough."""
         for tree in list(self._trees):
+            if tree.mode == "entropy":
+                self._fork_running_roots(tree)
+                if not tree.roots:
+                    self._trees.remove(tree)
+                continue
             for b in list(tree.running.values()):
                 c = self.engine.peek(b.rid)
                 self._look(tree, b, c)
@@ -247,16 +258,14 @@ class TreeGrower:
 
     def _entropy_finished(self, tree: _Tree, c: Completion, now: float) -> None:
         fork = tree.forks.pop(c.request_id, None)
-        if fork is not None:
+        if fork is not None:  # a fork of a running root came back whole (resumed prefix)
             root, cut = fork
-            tree.place(joined(root, c, cut), now)
+            tree.place(c if root is None else joined(root, c, cut), now)
             return
         tree.place(replace(c, entropies=None), now)
         cuts = entropy_cuts(c.entropies or [], tree.roots.pop(c.request_id, 0))
-        if not cuts:
-            return
         ids = tree.group.ids
-        self._lend(ids, c, cuts)
+        self._lend(ids, c, cuts)  # no cuts (forked while running): its cache is let go
         for t in cuts:
             params = replace(self.params, max_tokens=self.params.max_tokens - t)
             rid = self.engine.submit(ids + c.token_ids[:t], params, seed=tree.fork_seed(),
@@ -265,6 +274,25 @@ class TreeGrower:
             tree.forks[rid] = (c, t)
             self.counters.forks += 1
             self.log.append((tree.group.uid, t, -1))
+
+    def _fork_running_roots(self, tree: _Tree) -> None:
+        """entropy_fork_after: a running root with that many tokens forks at its
+        highest-entropy positions among them; each fork resumes the root's prefix (the
+        engine shares the prompt and recomputes the prefix) and draws token t anew."""
+        after = self.settings.entropy_fork_after
+        for rid in list(tree.roots):  # the roots still running (finished ones forked)
+            c = self.engine.peek(rid)
+            if len(c.token_ids) < after:
+                continue
+            for t in entropy_cuts(c.entropies[:after], tree.roots.pop(rid)):
+                prefix = Completion(tree.group.uid, c.token_ids[:t], c.logprobs[:t], "abort",
+                                    c.versions[:t]) if t else None
+                fork = self.engine.submit(tree.group.ids, self.params, seed=tree.fork_seed(),
+                                          resume=prefix, tag=tree.group.uid)
+                self._owner[fork] = tree
+                tree.forks[fork] = (None, t)
+                self.counters.forks += 1
+                self.log.append((tree.group.uid, t, -1))
 
     # -- latr ------------------------------------------------------------------------------
 
