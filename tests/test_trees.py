@@ -391,3 +391,12 @@ def test_entropy_forks_running_roots_after_a_few_tokens(model) -> None:
     _, finished = _latr(model, mode="entropy", max_tokens=16, entropy_branches=2)
     finished.run(prompts)
     assert engine.stats.forward_passes < finished.engine.stats.forward_passes
+
+
+def test_trees_leave_no_kept_cache_behind(model) -> None:
+    """Roots and branches are submitted with keep_kv; each is lent or let go when done."""
+    for mode in ("latr", "entropy"):
+        engine, sched = _latr(model, mode=mode, temperature=0.7, latr_threshold=0.02,
+                              latr_margin=1.0)
+        sched.run(_groups(3))
+        assert engine.stats.retained > 0 and not engine.admission.retained

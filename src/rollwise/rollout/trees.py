@@ -9,7 +9,7 @@ prefixes, driven by the rollout scheduler's hooks (`schedule.tree`, docs/rollout
               compared with its parent's over the same positions and pruned when their
               ROUGE-L F1 reaches `latr_similarity` (`too_similar`). Once the group holds
               group_size live branches, every running branch switches to the rollout's
-              sampling (abort + resume); when the tree ends short, plain samples fill it.
+              sampling (retuned in place); when the tree ends short, plain samples fill it.
     entropy   Tree-GRPO at uncertain tokens. group_size / entropy_branches roots are
               sampled with per-token entropies and kept in the engine's cache (keep_kv);
               each finished root forks its other samples at its highest-entropy positions
@@ -17,7 +17,9 @@ prefixes, driven by the rollout scheduler's hooks (`schedule.tree`, docs/rollout
               drawn again with a new seed, and the engine lends the root's keys/values to
               it (`NativeEngine.branch_kv`) so the prefix is not computed again. Every token
               is a policy sample: a fork's trajectory is the root's prefix (its log-probs
-              and versions) + the fork's continuation.
+              and versions) + the fork's continuation. With `entropy_fork_after` m, a root
+              forks once it has m tokens, at its highest-entropy positions among them, and
+              its forks (resumed prefixes) run beside it.
 
 Greedy and forced tokens (latr) are not samples of the behaviour policy: `forced_tokens`
 'mask' gives them loss_mask 0 (the default: the loss sees only sampled tokens), 'keep'
@@ -373,12 +375,12 @@ class TreeGrower:
         greedy = len(c.token_ids) if b.greedy < 0 else b.greedy
         tree.place(replace(c, top_logprobs=None),
                    now, forced_mask(greedy, len(c.token_ids), self.settings.forced_tokens))
-        if b.greedy < 0:  # a greedy branch, kept in the cache: the last one of a tree that
-            # ends short lends its prompt to the plain samples that fill it; others let go
-            last = tree.growing and not tree.running
-            self._lend(tree.group.ids, c, [0] if last else [])
-            if last:
-                self._fill(tree)
+        # branches are kept in the cache when they finish: the last one of a tree that ends
+        # short lends its prompt to the plain samples that fill it; the others let go
+        last = tree.growing and not tree.running
+        self._lend(tree.group.ids, c, [0] if last else [])
+        if last:
+            self._fill(tree)
 
     def _lend(self, ids: list[int], c: Completion, cuts: list[int]) -> None:
         """Lend a finished keep_kv request's keys/values to requests whose prompts are
