@@ -4,15 +4,16 @@
         [--set key=value ...] [--workdir /tmp/rollwise-crash] [--user-code]
 
     python scripts/crash_harness.py --pair --kills 120 [--mode sync|async|both]
-        [--sync-delay 0.4] [--timeout 20]
+        [--sync-delay 0.3] [--timeout 20]
 
 --user-code: the run also scores with a verifier and a group term (with an option) named
 by import path, as a user's own code is (rollwise.pipeline.crashtest.USER_CODE).
 
 --pair: a trainer and a `rollwise serve` process, either killed (rollwise/pipeline/
-crashpair.py); prints the kills per victim and phase. The server is started through this
-script (`serve-slow-sync DELAY ...`), which makes each weight load take DELAY seconds more
-so that kills can land inside one (the tiny model's takes about 10 ms). --mode both splits
+crashpair.py); prints the kills per victim and phase. The servers are forked by this
+script (`serve-zygote DELAY ...`: the libraries imported once), which makes each weight
+load take DELAY seconds more so that kills can land inside one (the tiny model's takes
+about 10 ms). --mode both splits
 the kills between a synchronous run and an asynchronous one (max_staleness 1).
 
 Exits 0 when every finished run equals the uninterrupted reference (metrics, stored
@@ -22,6 +23,9 @@ trajectories, summary counters), 1 otherwise. See rollwise/pipeline/crashtest.py
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import socket
 import sys
 import tempfile
@@ -38,14 +42,19 @@ TINY = ["run.num_steps=6", "run.threads=1", "run.checkpoint_every=2",
 MODES = {"sync": [], "async": ["schedule.mode='async'", "schedule.max_staleness=1"]}
 
 
-def slow_sync_server(delay_s: float) -> list[str]:
-    """The harness's server command: `rollwise serve` with DELAY seconds added to each
-    weight load (on the engine's thread, where the load itself runs)."""
-    return [sys.executable, __file__, "serve-slow-sync", str(delay_s), *SERVER[3:]]
+def server_launcher(delay_s: float) -> list[str]:
+    """The harness's server command: this script's `serve-zygote` (crashpair.Server's
+    `zygote`), its servers `rollwise serve` with `delay_s` added to each weight load."""
+    return [sys.executable, __file__, "serve-zygote", str(delay_s), *SERVER[3:]]
 
 
-def serve_slow_sync(delay_s: float, argv: list[str]) -> None:
+def serve_zygote(delay_s: float, argv: list[str]) -> None:
+    """Import the server's libraries once, then fork a `rollwise <argv>` for each line on
+    stdin, writing its process id; each weight load takes `delay_s` more (on the engine's
+    thread, where the load itself runs), so that kills can land inside one."""
     from rollwise.cli import main as cli_main
+    from rollwise.models import load_policy
+    from rollwise.serve import make_server  # noqa: F401 - imported before the forks
     from rollwise.serve.weights import WeightStore
 
     apply = WeightStore.apply
@@ -55,8 +64,26 @@ def serve_slow_sync(delay_s: float, argv: list[str]) -> None:
         return apply(self, staged, deadline)
 
     WeightStore.apply = slow_apply
-    sys.argv = ["rollwise", *argv]
-    cli_main()
+    load_policy("tiny")  # the model's libraries too
+    # each server's death is reaped at once, so the harness sees its id gone
+    signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    for _ in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.dup2(2, 1)  # its output to the log, not to the harness's pipe
+            sys.argv = ["rollwise", *argv]
+            try:
+                cli_main()
+            finally:
+                os._exit(0)
+        print(pid, flush=True)
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def pair_config(workdir: Path, port: int, mode: str, timeout_s: float, config: str,
@@ -84,7 +111,8 @@ def run_pair(args, workdir: Path) -> int:
                           args.overrides)
         start = time.perf_counter()
         report = pair_test(cfg, kills=kills, seed=args.seed + i, workdir=workdir / mode,
-                           server_command=slow_sync_server(args.sync_delay), log=print)
+                           server_command=server_launcher(args.sync_delay), zygote=True,
+                           log=print)
         ok = ok and report.ok
         longest = max(report.errors, default=(0.0, ""), key=lambda e: e[0])
         print(f"\n{mode}: {report.total} kills ({dict(report.signals)}), {report.rounds} runs "
@@ -103,8 +131,8 @@ def run_pair(args, workdir: Path) -> int:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["serve-slow-sync"]:
-        serve_slow_sync(float(sys.argv[2]), sys.argv[3:])
+    if sys.argv[1:2] == ["serve-zygote"]:
+        serve_zygote(float(sys.argv[2]), sys.argv[3:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=300)
@@ -118,7 +146,7 @@ def main() -> int:
     parser.add_argument("--pair", action="store_true",
                         help="kill a trainer and an inference server in turn")
     parser.add_argument("--mode", choices=["sync", "async", "both"], default="both")
-    parser.add_argument("--sync-delay", type=float, default=0.4,
+    parser.add_argument("--sync-delay", type=float, default=0.3,
                         help="--pair: seconds added to each weight load on the server")
     parser.add_argument("--timeout", type=float, default=20.0,
                         help="--pair: engine.remote_timeout_s")

@@ -1,8 +1,9 @@
 """Crash safety of a trainer and an inference server in two processes
 (rollwise.pipeline.crashpair; `scripts/crash_harness.py --pair` runs it longer): a server
 killed during a weight sync stops the trainer within the time-out with an error naming it
-and the route, and the resumed run ends with every step once; a server that restarted
-behind the trainer's back is an error, not rollouts from its base weights; and (slow) the
+and the route, and the resumed run ends with every step once; a server back on its base
+weights (restarted) behind the trainer's back is an error, not rollouts from another
+policy; and (slow) the
 harness's rounds, each victim killed at random instants, equal the uninterrupted run."""
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollwise.compose.config import load_config
+from rollwise.learner.files import write_weights
+from rollwise.models import load_policy
 from rollwise.pipeline.build import build
 from rollwise.pipeline.crashpair import SERVER, Server, pair_test
 from rollwise.rollout.servers import RemoteError
@@ -26,9 +30,10 @@ ROOT = Path(__file__).parents[1]
 TIMEOUT_S = 10
 
 
-def slow_sync(delay_s: float) -> list[str]:
-    """`rollwise serve` whose weight loads take `delay_s` more (scripts/crash_harness.py)."""
-    return [sys.executable, str(ROOT / "scripts" / "crash_harness.py"), "serve-slow-sync",
+def launcher(delay_s: float) -> list[str]:
+    """Forks `rollwise serve` whose weight loads take `delay_s` more, imported once
+    (scripts/crash_harness.py serve-zygote)."""
+    return [sys.executable, str(ROOT / "scripts" / "crash_harness.py"), "serve-zygote",
             str(delay_s), *SERVER[3:]]
 
 
@@ -40,15 +45,16 @@ def tiny(tmp_path: Path, url: str, *extra: str):
         f"engine.remote_urls=['{url}']", f"engine.remote_timeout_s={TIMEOUT_S}", *extra])
 
 
-@pytest.fixture
-def server(tmp_path):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
     port = free_port()
-    proc = Server(slow_sync(1.0), f"http://127.0.0.1:{port}", tmp_path / "server.log")
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    proc = Server(launcher(1.0), f"http://127.0.0.1:{port}", log, zygote=True)
     proc.start()
     try:
         yield proc
     finally:
-        proc.stop(signal.SIGKILL)
+        proc.close()
 
 
 def test_a_server_killed_mid_sync_is_a_clear_error_in_time_and_resume_finishes(
@@ -66,7 +72,7 @@ def test_a_server_killed_mid_sync_is_a_clear_error_in_time_and_resume_finishes(
             def kill() -> None:
                 while not server.updating():
                     time.sleep(0.01)
-                server.proc.kill()
+                server.signal(signal.SIGKILL)
                 killed.append(time.monotonic())
             threading.Thread(target=kill, daemon=True).start()
         publish(weights)
@@ -79,41 +85,41 @@ def test_a_server_killed_mid_sync_is_a_clear_error_in_time_and_resume_finishes(
     assert server.url in str(e.value) and "/v1/weights/update" in str(e.value), e.value
     root = tmp_path / "killed"
     assert [r["step"] for r in records(root, "train")] == [1, 2]
-    server.proc.wait(30)
+    server.stop(signal.SIGKILL)
     server.start()
     summary = run_config(cfg, "killed", resume=True)
     assert summary["steps"] == 4
     assert [r["step"] for r in records(root, "train")] == [1, 2, 3, 4]
 
 
-def test_a_server_restarted_behind_the_trainer_is_an_error_not_its_base_weights(
-        tmp_path, server):
-    """The server killed and started again between steps 2 and 3 (so it samples with its
-    base model, version 0): step 3's rollouts stop with an error saying so, instead of
+def test_a_server_with_other_weights_behind_the_trainer_is_an_error(tmp_path, server):
+    """Between steps 2 and 3 the server goes back to the base model as version 0, as a
+    restarted server does: step 3's rollouts stop with an error saying so, instead of
     training on another policy's samples."""
     cfg = tiny(tmp_path, server.url)
     stages = build(cfg)
-    select, restarted = stages.select, []
+    select, reverted = stages.select, []
+    write_weights(load_policy("tiny").model, tmp_path / "base")
 
-    def restart_then_select():
-        if stages.rollout_stage.version == 2 and not restarted:
-            server.stop(signal.SIGKILL)
-            server.start()
-            restarted.append(True)
+    def revert_then_select():
+        if stages.rollout_stage.version == 2 and not reverted:
+            r = httpx.post(server.url + "/v1/weights/update", timeout=30, json={
+                "path": str(tmp_path / "base"), "version": 0, "mode": "pause"})
+            reverted.append(r.status_code)
         return select()
 
-    stages.select = restart_then_select
+    stages.select = revert_then_select
     with pytest.raises(RemoteError, match="version 0, older than the 2 it loaded") as e:
-        run_config(cfg, "restarted", stages=stages)
-    assert restarted and server.url in str(e.value)
-    assert [r["step"] for r in records(tmp_path / "restarted", "train")] == [1, 2]
+        run_config(cfg, "reverted", stages=stages)
+    assert reverted == [200] and server.url in str(e.value)
+    assert [r["step"] for r in records(tmp_path / "reverted", "train")] == [1, 2]
 
 
 def pair(tmp_path: Path, *extra: str):
     cfg = tiny(tmp_path, f"http://127.0.0.1:{free_port()}", "run.num_steps=6",
                "eval.every=3", *extra)
     return pair_test(cfg, kills=6, seed=3, workdir=tmp_path / "pair",
-                     server_command=slow_sync(0.3))
+                     server_command=launcher(0.3), zygote=True)
 
 
 def _check(report) -> None:

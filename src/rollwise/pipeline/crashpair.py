@@ -10,8 +10,11 @@ this process once the heavy modules are imported and goes the way of `rollwise t
 start costs the model's build, not the imports. One trainer trains the reference run
 uninterrupted. Then, round after round, a victim (the trainer or the server, about half
 each) gets SIGKILL (or, `soft_share` of the time, SIGINT or SIGTERM) at a random instant
-of the trainer's life, or (`sync_share` of the time) while the server loads weights
-(`GET /v1/weights` says `updating`). A killed server is started again on the same port,
+of the trainer's life (uniform over 1.1 times the reference's span from its start to its
+last checkpoint, scaled by the share of steps left to train: the report after it needs no
+server, and takes seconds on a loaded machine), or (`sync_share` of the time) while the
+server loads weights (`GET /v1/weights` says `updating`), or (`generate_share`) while it
+generates (`GET /v1/stats`: sequences pending). A killed server is started again on the same port,
 from the base model (the trainer's resume publishes its checkpoint's weights to it); a
 trainer that died, or stopped with the server's error, is resumed. A round ends when a
 trainer finishes its run.
@@ -32,6 +35,7 @@ Imports the config, the launcher and crashtest's comparison; httpx for the probe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -69,7 +73,7 @@ class PairReport:
     server_restarts: int = 0
     errors: list[tuple[float, str]] = field(default_factory=list)  # (seconds, message)
     outlived: int = 0  # server kills the trainer finished without needing it again
-    reference_seconds: float = 0.0
+    reference_seconds: float = 0.0  # the reference's start to its last checkpoint
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -96,26 +100,48 @@ class PairReport:
 
 
 class Server:
-    """The server process: started from `command` ("{port}" filled in), probed, signalled."""
+    """The server process: started from `command` ("{port}" filled in), probed, signalled.
+    `zygote`: `command` is a launcher that imports the server once and, for each line
+    "start" on its input, forks a server and writes its process id (a restart then costs
+    no imports: scripts/crash_harness.py serve-zygote)."""
 
-    def __init__(self, command: list[str], url: str, log: Path):
-        self.url, self.log = url.rstrip("/"), log
+    def __init__(self, command: list[str], url: str, log: Path, zygote: bool = False):
+        self.url, self.log, self.zygote = url.rstrip("/"), log, zygote
         port = url.rstrip("/").rsplit(":", 1)[1]
         self.command = [part.replace("{port}", port) for part in command]
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None  # the server, or the launcher
+        self.pid = 0  # the server's
 
     def start(self, timeout_s: float = 300.0) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+        if self.zygote:
+            if self.proc is None:
+                with self.log.open("ab") as out:
+                    self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, stderr=out)
+            self.proc.stdin.write(b"start\n")
+            self.proc.stdin.flush()
+            self.pid = int(self.proc.stdout.readline() or 0)
+        else:
+            with self.log.open("ab") as out:
+                self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+            self.pid = self.proc.pid
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}): "
-                                   f"{self.log.read_text()[-1500:]}")
+            if not self.alive():
+                raise RuntimeError(f"the server exited: {self.log.read_text()[-1500:]}")
             if self._get("/health") is not None:
                 return
             time.sleep(0.1)
         raise RuntimeError(f"the server did not answer /health within {timeout_s:g}s")
+
+    def alive(self) -> bool:
+        if not self.zygote:
+            return self.proc is not None and self.proc.poll() is None
+        try:  # the launcher reaps its children: a dead server's id is gone at once
+            os.kill(self.pid, 0)
+            return self.pid > 0
+        except ProcessLookupError:
+            return False
 
     def _get(self, route: str):
         try:
@@ -132,31 +158,47 @@ class Server:
                        if x.startswith("rollwise_weight_updates_total")))
 
     def phase(self, updates_at_start: int) -> str:
-        """Where the pair stands now (PHASES)."""
-        r = self._get("/v1/weights")
-        if r is not None and r.json().get("updating"):
+        """Where the pair stands now (PHASES); generating first, the briefest."""
+        if self.pending():
+            return "generate"
+        if self.updating():
             return "sync"
-        if self.updates() <= updates_at_start:
-            return "startup"
+        return "startup" if self.updates() <= updates_at_start else "trainer"
+
+    def pending(self) -> int:
+        """Sequences the server has queued or running."""
         r = self._get("/v1/stats")
-        return "generate" if r is not None and r.json().get("pending") else "trainer"
+        return int(r.json().get("pending", 0)) if r is not None else 0
 
     def updating(self) -> bool:
         r = self._get("/v1/weights")
         return r is not None and bool(r.json().get("updating"))
 
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
     def stop(self, sig: int, timeout_s: float = 60.0) -> None:
         """Send `sig`, then wait for the exit (SIGKILL past `timeout_s`)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        self.signal(sig)
+        deadline = time.monotonic() + timeout_s
+        while self.alive():
+            if time.monotonic() > deadline:
+                self.signal(signal.SIGKILL)
+                raise RuntimeError(f"the server ignored {signal.Signals(sig).name} for "
+                                   f"{timeout_s:g}s")
+            if not self.zygote:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(0.05)
+            else:
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        """The server, and the launcher, gone."""
+        self.stop(signal.SIGKILL)
+        if self.zygote and self.proc is not None:
             self.proc.kill()
             self.proc.wait(30)
-            raise RuntimeError(f"the server ignored {signal.Signals(sig).name} for "
-                               f"{timeout_s:g}s") from None
 
 
 def _trainer(cfg: Config, root: Path) -> int:
@@ -188,7 +230,8 @@ def _trainer(cfg: Config, root: Path) -> int:
 
 
 def pair_test(cfg: Config, kills: int, seed: int, workdir: Path,
-              server_command: list[str] | None = None, sync_share: float = 0.3,
+              server_command: list[str] | None = None, zygote: bool = False,
+              sync_share: float = 0.3, generate_share: float = 0.2,
               soft_share: float = 0.2, log=lambda s: None) -> PairReport:
     """Run the harness (the module docstring) until at least `kills` kills."""
     import rollwise.pipeline.launch  # noqa: F401 - imported once, before the forks
@@ -200,8 +243,10 @@ def pair_test(cfg: Config, kills: int, seed: int, workdir: Path,
         raise ValueError("pair_test needs engine.name='remote' and one engine.remote_urls")
     workdir.mkdir(parents=True, exist_ok=True)
     cfg.run.output_dir = str(workdir)
-    server = Server(server_command or SERVER, cfg.engine.remote_urls[0], workdir / "server.log")
-    harness = _Harness(cfg, server, random.Random(seed), kills, sync_share, soft_share)
+    server = Server(server_command or SERVER, cfg.engine.remote_urls[0], workdir / "server.log",
+                    zygote=zygote)
+    harness = _Harness(cfg, server, random.Random(seed), kills,
+                       (sync_share, generate_share, soft_share))
     server.start()
     try:
         reference = harness.reference(workdir / "reference")
@@ -214,17 +259,23 @@ def pair_test(cfg: Config, kills: int, seed: int, workdir: Path,
             log(f"round {harness.report.rounds}: {harness.report.total} kills so far"
                 + (f"; FAILED: {failures}" if failures else ""))
     finally:
-        server.stop(signal.SIGKILL)
+        server.close()
     return harness.report
+
+
+def _left(root: Path, num_steps: int) -> float:
+    """The share of the run's steps after its last checkpoint (1 for a new run)."""
+    steps = [int(p.name.split("_")[1]) for p in (root / "checkpoints").glob("step_*")]
+    return 1 - max(steps, default=0) / num_steps
 
 
 class _Harness:
     """The rounds of `pair_test` and what they found (`report`)."""
 
     def __init__(self, cfg: Config, server: Server, rng: random.Random, kills: int,
-                 sync_share: float, soft_share: float):
+                 shares: tuple[float, float, float]):
         self.cfg, self.server, self.rng, self.kills = cfg, server, rng, kills
-        self.sync_share, self.soft_share = sync_share, soft_share
+        self.sync_share, self.generate_share, self.soft_share = shares
         self.timeout_s = cfg.engine.remote_timeout_s
         self.report = PairReport()
 
@@ -236,9 +287,14 @@ class _Harness:
     def reference(self, root: Path) -> tuple[list[dict], list[tuple], dict]:
         """Train `root` uninterrupted; its records (crashtest.read_run)."""
         start = time.monotonic()
-        if (code := wait_exit(_trainer(self._config(root.name), root))) != 0:
-            raise RuntimeError(f"the reference run failed ({code}): {self._error(root)}")
-        self.report.reference_seconds = time.monotonic() - start
+        pid = _trainer(self._config(root.name), root)
+        last = root / "checkpoints" / f"step_{self.cfg.run.num_steps}"
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if not self.report.reference_seconds and last.exists():
+                self.report.reference_seconds = time.monotonic() - start
+            time.sleep(0.02)
+        if (root.parent / f"{root.name}.error").exists():
+            raise RuntimeError(f"the reference run failed: {self._error(root)}")
         return read_run(root)
 
     def check(self, root: Path, reference: tuple) -> list[str]:
@@ -285,7 +341,9 @@ class _Harness:
         updates = self.server.updates()
         pid = _trainer(cfg, root)
         born = time.monotonic()
-        code = self._until_instant(pid, born) if self.report.total < self.kills else None
+        code = None
+        if self.report.total < self.kills:
+            code = self._until_instant(pid, born, _left(root, cfg.run.num_steps))
         if code is not None:  # it finished (or failed) first
             return self._ended(root, code)
         if self.report.total >= self.kills:
@@ -303,20 +361,25 @@ class _Harness:
             return self._ended(root, wait_exit(pid))
         return self._server_killed(pid, root, sig)
 
-    def _until_instant(self, pid: int, born: float) -> int | None:
-        """Wait for the kill instant: a random one of the reference's span, or (sync_share
-        of the time) the next weight update. The trainer's exit code if it ended first."""
-        span = self.report.reference_seconds
-        sync = self.rng.random() < self.sync_share
-        deadline = born + (1.5 * span if sync else self.rng.uniform(0.0, 1.1 * span))
+    def _until_instant(self, pid: int, born: float, left: float) -> int | None:
+        """Wait for the kill instant: a random one of the reference's span (times `left`,
+        the share of its steps still to train), or (sync_share, generate_share of the
+        time) the moment the server loads weights, or generates. The trainer's exit code
+        if it ended first."""
+        span = self.report.reference_seconds * max(left, 0.2)
+        target = self.rng.choices(("any", "sync", "generate"), (
+            1 - self.sync_share - self.generate_share, self.sync_share, self.generate_share))[0]
+        deadline = born + (1.5 * span if target != "any" else self.rng.uniform(0, 1.1 * span))
         while time.monotonic() < deadline:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 return os.waitstatus_to_exitcode(status)
-            if sync and self.server.updating():
+            if target == "sync" and self.server.updating():
                 time.sleep(self.rng.uniform(0.0, 0.05))  # somewhere inside it
                 return None
-            time.sleep(0.01 if sync else min(0.05, max(deadline - time.monotonic(), 0)))
+            if target == "generate" and self.server.pending():
+                return None
+            time.sleep(0.01 if target != "any" else min(0.05, max(deadline - time.monotonic(), 0)))
         return None
 
     def _ended(self, root: Path, code: int) -> int | None:
@@ -330,7 +393,7 @@ class _Harness:
         """After `sig` to the server: the trainer must finish, or stop within the time-out
         with an error naming the server and the route; then the server starts again."""
         killed = time.monotonic()
-        self.server.proc.send_signal(sig)
+        self.server.signal(sig)
         code = None
         while code is None and time.monotonic() < killed + 3 * self.timeout_s:
             done, status = os.waitpid(pid, os.WNOHANG)
