@@ -132,6 +132,10 @@ def test_state_of_full_and_lora_training(tiny_llama) -> None:
     size = sum(p.numel() for p in model.parameters()) * 4 / 2**20
     assert memory.state_mb(model) == pytest.approx(
         {"weights_mb": size, "grads_mb": size, "adamw_mb": 2 * size})
+    values = sum(p.numel() for p in model.parameters())
+    # 8-bit moments: one byte each plus a float32 scale per block of 256 values
+    assert memory.state_mb(model, "adamw8bit")["adamw_mb"] == pytest.approx(
+        values * 2 * (1 + 4 / 256) / 2**20)
     model.requires_grad_(False)
     assert memory.state_mb(model)["adamw_mb"] == 0
 

@@ -12,7 +12,10 @@ one small step per update and the timings compare like with like:
   recompute the old log-probs), what `auto` picks on a CPU with native bfloat16;
 - `float32+tis`: float32 compute with TIS, what `auto` picks with int8 rollouts (AVX2);
 - `float32-unshared`: float32 with every row running its own copy of the prompt
-  (`learner.share_prompts = false`, the behaviour before prompts were shared).
+  (`learner.share_prompts = false`, the behaviour before prompts were shared);
+- `bf16-autocast+tis+foreach`: torch's multi-tensor AdamW (the default before the fused one,
+  `learner.optimizer = "adamw-foreach"`); `+fp8`, `+8bit`: torchao's AdamW with float8 or
+  8-bit moments; `+ckpt`: activation checkpointing (learner/optim.py, docs/performance.md).
 
 Memory: the peak resident set of the process in each phase (`peak_rss_mb`: sampling the
 batch, scoring it, and each variant's update, the optimizer's state included), and what
@@ -33,13 +36,21 @@ import typer
 from rollwise.bench.common import load_workload, median, print_table, save_results, say, synchronize
 from rollwise.system.runtime import rss_peak, trim_heap
 
-VARIANTS: dict[str, tuple[str, str, bool]] = {  # name: (precision, correction, share prompts)
-    "float32": ("float32", "none", True),
-    "float32-unshared": ("float32", "none", False),
-    "float32+tis": ("float32", "tis", True),
-    "bf16-autocast": ("bf16-autocast", "none", True),
-    "bf16-autocast+tis": ("bf16-autocast", "tis", True),
+# name: (precision, correction, share prompts, optimizer, activation checkpointing)
+VARIANTS: dict[str, tuple[str, str, bool, str, bool]] = {
+    "float32": ("float32", "none", True, "adamw", False),
+    "float32-unshared": ("float32", "none", False, "adamw", False),
+    "float32+tis": ("float32", "tis", True, "adamw", False),
+    "bf16-autocast": ("bf16-autocast", "none", True, "adamw", False),
+    "bf16-autocast+tis": ("bf16-autocast", "tis", True, "adamw", False),
 }
+MORE_VARIANTS: dict[str, tuple[str, str, bool, str, bool]] = {  # run when named (--variant)
+    "bf16-autocast+tis+foreach": ("bf16-autocast", "tis", True, "adamw-foreach", False),
+    "bf16-autocast+tis+fp8": ("bf16-autocast", "tis", True, "adamw-fp8", False),
+    "bf16-autocast+tis+8bit": ("bf16-autocast", "tis", True, "adamw8bit", False),
+    "bf16-autocast+tis+ckpt": ("bf16-autocast", "tis", True, "adamw", True),
+}
+KNOWN = VARIANTS | MORE_VARIANTS
 
 
 def _phase(peaks: dict[str, dict[str, float]], name: str):
@@ -96,11 +107,12 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
     for rep in range(reps):
         order = list(variants[rep % len(variants):] + variants[: rep % len(variants)])
         for v in order:
-            precision, correction, share = VARIANTS[v]
+            precision, correction, share, optimizer, ckpt = KNOWN[v]
             learner = Learner(policy.model, loss_fn=policy_losses["ppo"],
                               loss_options={"aggregation": "token-mean"}, lr=1e-5,
                               precision=precision, skip_zero_advantage=False,
-                              share_prompts=share,
+                              share_prompts=share, optimizer=optimizer,
+                              activation_checkpointing=ckpt,
                               correction_fn=None if correction == "none" else corrections[
                                   correction], correction_options={"cap": 2.0})
             with _phase(peaks, f"learner {v}"):
@@ -133,14 +145,14 @@ def command(*, model: str, json: Path | None, reps: int, threads: int, variant: 
     require_device(device)
     configure(threads)
     variants = tuple(variant or VARIANTS)
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in KNOWN]
     if bad:
-        raise typer.BadParameter(f"unknown variant(s) {bad}; known: {', '.join(VARIANTS)}")
+        raise typer.BadParameter(f"unknown variant(s) {bad}; known: {', '.join(KNOWN)}")
     data = run(model, reps=reps, variants=variants, device=device, progress=say)
     print_table(f"learner update: {model}, {data['rows']} rows, {data['tokens']} tokens, "
                 f"{data['threads']} threads", data["variants"],
-                ["variant", "update_s", "min_s", "max_s", "speedup_vs_float32", "peak_rss_mb",
-                 "added_rss_mb"])
+                ["variant", "update_s", "min_s", "max_s", f"speedup_vs_{variants[0]}",
+                 "peak_rss_mb", "added_rss_mb"])
     print_table("peak resident set per phase (MiB)", data["phases"],
                 ["phase", "peak_rss_mb", "added_rss_mb"])
     save_results(data, json)

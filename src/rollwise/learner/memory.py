@@ -22,6 +22,8 @@ import copy
 
 import torch
 
+from rollwise.learner.optim import MOMENT_BYTES
+
 ACT_HIDDEN = {"float32": 32.0, "bf16-autocast": 28.0}  # bytes per hidden unit, token, layer
 ACT_MLP = {"float32": 22.0, "bf16-autocast": 19.0}  # bytes per MLP unit, token, layer
 CKPT_BYTES = 4.0  # bytes per hidden unit, token and layer kept with checkpointing
@@ -52,12 +54,17 @@ def logits_mb(model, chunk: int) -> float:
     return chunk * int(_config(model).vocab_size) * LOGIT_BYTES / 2**20
 
 
-def state_mb(model) -> dict[str, float]:
-    """MiB of the weights, the gradients and AdamW's moments the update keeps throughout."""
+def state_mb(model, optimizer: str = "adamw") -> dict[str, float]:
+    """MiB of the weights, the gradients and the optimizer's moments (`adamw_mb`; low-bit
+    ones at their bytes a value, learner/optim.py) the update keeps throughout."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    values = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # torch's AdamW keeps its moments in the parameters' dtype; torchao's at fixed bytes
+    moments = 2 * trained if optimizer in ("adamw", "adamw-foreach") \
+        else values * MOMENT_BYTES[optimizer]
     return {"weights_mb": weights / 2**20, "grads_mb": trained / 2**20,
-            "adamw_mb": 2 * trained / 2**20}
+            "adamw_mb": moments / 2**20}
 
 
 def fit_budget(model, budget_mb: float, *, precision: str, checkpointing: bool,
