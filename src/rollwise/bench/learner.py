@@ -13,8 +13,8 @@ one small step per update and the timings compare like with like:
 - `float32+tis`: float32 compute with TIS, what `auto` picks with int8 rollouts (AVX2);
 - `float32-unshared`: float32 with every row running its own copy of the prompt
   (`learner.share_prompts = false`, the behaviour before prompts were shared);
-- `bf16-autocast+tis+foreach`: torch's multi-tensor AdamW (the default before the fused one,
-  `learner.optimizer = "adamw-foreach"`); `+fp8`, `+8bit`: torchao's AdamW with float8 or
+- named with `--variant` only: `bf16-autocast+tis+fused`: torch's fused AdamW kernel
+  (`learner.optimizer = "adamw-fused"`); `+fp8`, `+8bit`: torchao's AdamW with float8 or
   8-bit moments; `+ckpt`: activation checkpointing (learner/optim.py, docs/performance.md).
 
 Memory: the peak resident set of the process in each phase (`peak_rss_mb`: sampling the
@@ -45,7 +45,7 @@ VARIANTS: dict[str, tuple[str, str, bool, str, bool]] = {
     "bf16-autocast+tis": ("bf16-autocast", "tis", True, "adamw", False),
 }
 MORE_VARIANTS: dict[str, tuple[str, str, bool, str, bool]] = {  # run when named (--variant)
-    "bf16-autocast+tis+foreach": ("bf16-autocast", "tis", True, "adamw-foreach", False),
+    "bf16-autocast+tis+fused": ("bf16-autocast", "tis", True, "adamw-fused", False),
     "bf16-autocast+tis+fp8": ("bf16-autocast", "tis", True, "adamw-fp8", False),
     "bf16-autocast+tis+8bit": ("bf16-autocast", "tis", True, "adamw8bit", False),
     "bf16-autocast+tis+ckpt": ("bf16-autocast", "tis", True, "adamw", True),

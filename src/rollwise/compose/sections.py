@@ -387,9 +387,9 @@ class LearnerConfig(Section):
         0.0, ge=0, description="MiB the update's activations may take beyond the weights, "
         "gradients and optimizer state: micro_batch_tokens and logprob_chunk shrink to fit "
         "(an estimate from the model's shape, docs/performance.md; 0: no budget).")
-    optimizer: Literal["adamw", "adamw-foreach", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
-        "adamw", description="'adamw' (torch's AdamW, fused kernel where available; "
-        "'adamw-foreach': its multi-tensor path, the default before), or "
+    optimizer: Literal["adamw", "adamw-fused", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
+        "adamw", description="'adamw' (torch's AdamW, default implementation), "
+        "'adamw-fused' (its fused kernel: faster steps, float32 rounding apart), or "
         "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
         "bytes a parameter instead of 8 for the moments, slower steps on a CPU "
         "(docs/performance.md, Memory).")

@@ -61,7 +61,7 @@ def state_mb(model, optimizer: str = "adamw") -> dict[str, float]:
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     values = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # torch's AdamW keeps its moments in the parameters' dtype; torchao's at fixed bytes
-    moments = 2 * trained if optimizer in ("adamw", "adamw-foreach") \
+    moments = 2 * trained if optimizer in ("adamw", "adamw-fused") \
         else values * MOMENT_BYTES[optimizer]
     return {"weights_mb": weights / 2**20, "grads_mb": trained / 2**20,
             "adamw_mb": moments / 2**20}

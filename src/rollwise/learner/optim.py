@@ -1,11 +1,11 @@
 """The learner's optimizer, chosen by name (`learner.optimizer`), and its state as plain data.
 
-    adamw      torch's AdamW; its fused kernel where this torch has one for the device (one
-               pass over each parameter: about 3x faster than the multi-tensor path on a
-               2-core CPU and no full-size temporary, which the multi-tensor path allocates
-               for the square root of the second moment; the same update up to the
-               rounding of float32 operations)
-    adamw-foreach  the same AdamW through torch's multi-tensor path (the default before)
+    adamw        torch's AdamW with its default implementation for the device (one
+                 parameter at a time on a CPU): the update of every earlier release, bit
+                 for bit (tests/test_pinned_metrics.py pins it)
+    adamw-fused  torch's fused AdamW kernel (one pass over each parameter: about 7x faster
+                 a step than the default on a CPU at one thread); the same update up to the
+                 rounding of float32 operations, so runs are not bit-identical to `adamw`
     adamw8bit  torchao's AdamW8bit: both moments in 8 bits per value with a float32 scale per
                block of 256 (2.03 bytes a parameter instead of 8)
     adamw4bit  torchao's AdamW4bit: 4-bit moments, blocks of 128 (1.06 bytes a parameter)
@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-OPTIMIZERS = ("adamw", "adamw-foreach", "adamw8bit", "adamw4bit", "adamw-fp8")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit", "adamw4bit", "adamw-fp8")
 _TORCHAO_CLASSES = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit", "adamw-fp8": "AdamWFp8"}
 # bytes of optimizer state per trained value (both moments, block scales included)
-MOMENT_BYTES = {"adamw": 8.0, "adamw-foreach": 8.0, "adamw8bit": 2.0 + 8 / 256,
+MOMENT_BYTES = {"adamw": 8.0, "adamw-fused": 8.0, "adamw8bit": 2.0 + 8 / 256,
                 "adamw4bit": 1.0 + 8 / 128, "adamw-fp8": 2.0 + 8 / 256}
 
 
@@ -61,8 +61,8 @@ def fused_available(params: list[torch.Tensor]) -> bool:
 def build_optimizer(name: str, params: list[torch.Tensor], *, lr: float,
                     betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
     """The optimizer `name` (module docstring) over `params`."""
-    if name in ("adamw", "adamw-foreach"):
-        fused = name == "adamw" and fused_available(params)
+    if name in ("adamw", "adamw-fused"):
+        fused = name == "adamw-fused" and fused_available(params)
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
                                  fused=fused or None)
     if name not in _TORCHAO_CLASSES:
