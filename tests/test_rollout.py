@@ -177,11 +177,12 @@ def test_sync_strategy_runs_one_static_batch_with_the_same_outputs(model) -> Non
     assert cont.figures.row_forwards == sum(n - 1 for n in lengths) < static.figures.row_forwards
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_grouped_speculation_leaves_outputs_unchanged(model, temperature) -> None:
     """Drafts from siblings are verified with the coupled exact rule: the responses are those
     of plain decoding with the same seeds, token for token, in fewer forward passes when
-    greedy (greedy siblings are identical, so their drafts are always right)."""
+    greedy (greedy siblings are identical, so their drafts are always right). Sampling at
+    0.7: at 1.0 this random model's siblings share no 3-token context, so nothing drafts."""
     params = _params(n=6, temperature=temperature, max_tokens=32)
     prompts = _prompts(5)
     plain = RolloutScheduler(_engine(model), params, strategy="continuous").run(prompts)
