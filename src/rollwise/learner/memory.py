@@ -1,7 +1,8 @@
 """The learner's memory, estimated from the model's shape, and micro-batches sized to a budget.
 
 An update holds the weights, their gradients and AdamW's two moments (`state_mb`: 4 bytes
-each per trainable parameter, times four, plus the frozen weights), and, during one
+each per trainable parameter, times four, plus the frozen weights; low-bit moments take
+their bytes a value from learner/optim.py), and, during one
 micro-batch, the activations that the backward pass reads. Per token and decoder layer a
 Llama/Qwen2 layer keeps about ACT_HIDDEN x hidden + ACT_MLP x intermediate values (norm
 inputs and outputs, q/k/v, attention output, the MLP's gate, up and product); under bfloat16
