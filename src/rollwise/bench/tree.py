@@ -63,6 +63,7 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 16, fork_after: 
     s = cfg.schedule
     return {"benchmark": "B-tree: plain sampling vs LATR vs entropy branching",
             "config": str(config) if config else "configs/tiny_arith.toml",
+            "overrides": list(overrides or []),
             "model": cfg.model.name, "task": task.name, "rounds": rounds,
             "prompts_per_round": prompts, "group_size": cfg.rollout.group_size,
             "temperature": cfg.rollout.temperature, "max_tokens": cfg.rollout.max_tokens,
