@@ -39,28 +39,39 @@ class DraftVerifier:
         self.verify_window = verify_window
         self.merge_share = 0.5  # see `merges`
         self._windows: dict[int, int] = {}  # request id -> its long draft's next window
+        self._reusing: set[int] = set()  # resident requests submitted with a draft
 
     def attach_drafts(self, rows: list[Request], drafter: Drafter | None) -> None:
         """Ask the drafter for continuations of the resident `rows` that have none: when the
-        batch is small enough to profit, or when a row already carries a draft (a reused
-        response), since a verification pass runs this step anyway and a row drafted into
-        it costs padding, not a pass of its own."""
+        batch is small enough to profit, or, in a larger batch, while rows submitted with a
+        draft (reused responses) run. There the drafts are kept only when at least
+        `merge_share` of the rows would then verify one, so that one pass serves every row
+        (see `merges`); fewer would cost a pass of their own."""
         live = [r for r in rows if not r.zombie]
-        if len(self._windows) > 2 * len(rows):  # requests aborted with a draft left
-            here = {r.id for r in rows}
-            self._windows = {k: v for k, v in self._windows.items() if k in here}
-        if drafter is None or (len(live) > self.spec_max_batch
-                               and not any(r.draft for r in live)):
+        self._forget_gone(rows)
+        large = len(live) > self.spec_max_batch
+        if drafter is None or (large and not any(r.draft or r.id in self._reusing
+                                                 for r in live)):
             return
-        rows = [r for r in live if not r.draft and r.inputs == 1]
-        if not rows:
+        ask = [r for r in live if not r.draft and r.inputs == 1]
+        if not ask:
             return
-        drafts = drafter([(r.id, r.tokens) for r in rows], self.spec_tokens)
-        for r, d in zip(rows, drafts):
+        drafts = drafter([(r.id, r.tokens) for r in ask], self.spec_tokens)
+        if large and (sum(bool(r.draft) for r in live) + sum(bool(d) for d in drafts)
+                      < self.merge_share * len(live)):
+            return
+        for r, d in zip(ask, drafts):
             room = r.params.max_tokens - len(r.tokens) - 1
             r.draft = list(d[: min(self.spec_tokens, room)]) if room > 0 else []
             if r.draft:  # a drafter's guess has no stored log-probs: the exact rule
                 r.lenience, r.draft_logprobs = None, None
+
+    def _forget_gone(self, rows: list[Request]) -> None:
+        """Drop the windows and marks of requests no longer resident (finished, aborted)."""
+        if len(self._windows) + len(self._reusing) > 4 * len(rows):
+            here = {r.id for r in rows}
+            self._windows = {k: v for k, v in self._windows.items() if k in here}
+            self._reusing &= here
 
     def merges(self, resident: int, multi: int) -> bool:
         """Whether this step's one-token rows join the rows with drafts in one pass: in a
@@ -111,6 +122,8 @@ class DraftVerifier:
 
     def accept(self, r: Request, logits: torch.Tensor) -> None:
         """Verify r.draft against `logits` ([len(draft) + 1, V]; [1, V] at admission)."""
+        if r.draft and not r.tokens:  # its first token: a draft it was submitted with
+            self._reusing.add(r.id)
         n = logits.shape[0]
         positions = [len(r.tokens) + k for k in range(n)]
         u = uniforms([r.seed] * n, positions)
