@@ -60,6 +60,8 @@ def _check_stats(model, prompt, c, k, untruncated=True):
     tol = _tolerance(logits)
     assert len(c.top_logprobs) == len(c.entropies) == len(c.token_ids)
     want_ent = -(ref.exp() * ref).sum(-1)
+    # the entropy sums 88 terms p log p, each moved by at most (1 + |log p|) times its
+    # p's error: about ten times the log-prob bound for these distributions
     assert torch.allclose(torch.tensor(c.entropies), want_ent, atol=tol * 10, rtol=0)
     for t, row in enumerate(c.top_logprobs):
         assert len(row) == k
@@ -400,3 +402,37 @@ def test_trees_leave_no_kept_cache_behind(model) -> None:
                               latr_margin=1.0)
         sched.run(_groups(3))
         assert engine.stats.retained > 0 and not engine.admission.retained
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["schedule.tree=latr", "schedule.strategy=partial"], "'partial' keeps unfinished"),
+    (["schedule.tree=entropy", "schedule.strategy=sync"], "admits requests only into an empty"),
+    (["schedule.tree=latr", "schedule.spec_reuse=true"], "turn one off"),
+    (["schedule.tree=entropy", "schedule.entropy_branches=3"], "not a multiple"),
+    (["schedule.tree=latr", "rollout.group_size=1", "algorithm.advantage=reinforce_pp"],
+     "no room for a branch"),
+])
+def test_preflight_refuses_what_a_tree_cannot_grow_under(sets, message) -> None:
+    from rollwise.compose.config import ConfigError, load_config
+    from rollwise.compose.preflight import check_config
+
+    with pytest.raises(ConfigError, match=message):
+        check_config(load_config("configs/tiny_arith.toml", sets))
+    check_config(load_config("configs/tiny_arith.toml", ["schedule.tree=entropy"]))
+
+
+def test_tree_keys_are_validated_and_reach_the_scheduler() -> None:
+    from rollwise.compose.config import ConfigError, load_config
+    from rollwise.rollout.trees import tree_settings
+
+    with pytest.raises(ConfigError, match="latr_lookahead"):
+        load_config("configs/tiny_arith.toml", ["schedule.latr_lookahead=[0]"])
+    with pytest.raises(ConfigError, match="latr_threshold"):
+        load_config("configs/tiny_arith.toml", ["schedule.latr_threshold=1.5"])
+    cfg = load_config("configs/tiny_arith.toml", [
+        "schedule.tree=latr", "schedule.latr_lookahead=[30,4,4]", "schedule.tree_share=0.5"])
+    s = tree_settings(cfg.schedule)
+    assert (s.mode, s.latr_lookahead, s.share) == ("latr", (4, 30), 0.5)
