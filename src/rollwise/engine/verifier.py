@@ -1,10 +1,11 @@
 """The native engine's draft verification (speculative decoding and SPEC-RL draft reuse).
 
-`DraftVerifier` asks a drafter for continuations when the batch is small enough to profit,
-runs one forward pass over each row's pending tokens plus its draft (at most
-`verify_window` draft tokens), and walks each draft against the policy's own draws
-(`requests.walk_draft`: exact acceptance, or SPEC-RL's lenient rule for a reused draft with
-stored log-probs). The tokens it accepts go to the step loop's `emit`, handed in as a
+`DraftVerifier` asks a drafter for continuations when the batch is small enough to profit
+(or, in a larger one, while rows submitted with a draft run and most rows would verify one),
+runs one forward pass over each row's pending tokens plus its draft (a long draft in windows
+that double while accepted, up to `verify_window`), and walks each draft against the policy's
+own draws (`requests.walk_draft`: exact acceptance, or SPEC-RL's lenient rule for a reused
+draft with stored log-probs). The tokens it accepts go to the step loop's `emit`, handed in as a
 callable, so this module never imports the engine.
 """
 
@@ -31,9 +32,9 @@ class DraftVerifier:
     def __init__(self, decoder: Decoder, cache: KVCache, stats: EngineStats, emit: Emit, *,
                  spec_tokens: int = 4, spec_max_batch: int = 8, verify_window: int = 16):
         """`spec_tokens`: the most tokens a drafter proposes per row; `spec_max_batch`: the
-        most running rows at which the drafter is asked; `verify_window`: the draft tokens
-        one pass feeds per row (a long reused draft is verified in windows, so a rejection
-        early wastes at most this much)."""
+        most running rows at which the drafter is always asked; `verify_window`: the most draft
+        tokens one pass feeds per row (a long reused draft is verified in windows from
+        `spec_tokens` up to this, so a rejection early wastes little)."""
         self.decoder, self.cache, self.stats, self.emit = decoder, cache, stats, emit
         self.spec_tokens, self.spec_max_batch = spec_tokens, spec_max_batch
         self.verify_window = verify_window
