@@ -11,21 +11,15 @@ import random
 import pytest
 import torch
 
+import test_rollout
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.rollout import RolloutScheduler
 from rollwise.types import Sample
 
+model = test_rollout.model  # the fixture: the tiny Llama with sharpened logits
+
 STOPS = [2, 3, 5, 7, 11, 13]  # ~7% stop chance per token: lengths vary
-
-
-@pytest.fixture
-def model(tiny_llama):
-    """The tiny Llama with sharpened logits (final-norm gain 4): peaked but random outputs."""
-    m = tiny_llama()
-    with torch.no_grad():
-        m.model.norm.weight.mul_(4.0)
-    return m
 
 
 def _prompts(k: int) -> list[tuple[Sample, list[int]]]:
