@@ -34,7 +34,7 @@ def _responses(report) -> list[list[int]]:
 
 
 def _shift(model, scale: float = 0.02) -> None:
-    """A policy change between epochs, as training makes."""
+    """A policy change between epochs, as training makes (a small one)."""
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in model.parameters():
@@ -52,7 +52,7 @@ def test_reuse_in_a_large_batch_is_lossless_and_needs_fewer_passes(model, rule) 
     sched = RolloutScheduler(engine, params, strategy="continuous", spec_reuse=True,
                              reuse_rule=rule, seed=11)
     sched.run(prompts)
-    _shift(model)
+    _shift(model, 0.001)
     sched.seed = 12  # the exact rule samples afresh; coupled keeps the first epoch's seeds
     drafted = []
     drafter = sched._draft
@@ -71,8 +71,12 @@ def test_reuse_in_a_large_batch_is_lossless_and_needs_fewer_passes(model, rule) 
     assert _responses(second) == _responses(want)
     assert drafted, "rows whose reused response was rejected get drafts from the index"
     assert second.figures.spec_accepted > 0
-    assert second.figures.forward_passes <= want.figures.forward_passes + 1, (
-        second.figures.forward_passes, want.figures.forward_passes)
+    # a small policy change: coupled seeds redraw most of the old tokens, in fewer passes;
+    # fresh seeds (exact) redraw few, and the merged passes keep it near plain decoding
+    if rule == "coupled":
+        assert second.figures.forward_passes < want.figures.forward_passes
+    else:
+        assert second.figures.forward_passes <= want.figures.forward_passes + 1
 
 
 def test_long_drafts_are_verified_in_growing_windows(model) -> None:
