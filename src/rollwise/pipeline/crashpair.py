@@ -234,13 +234,12 @@ def pair_test(cfg: Config, kills: int, seed: int, workdir: Path,
               sync_share: float = 0.3, generate_share: float = 0.2,
               soft_share: float = 0.2, log=lambda s: None) -> PairReport:
     """Run the harness (the module docstring) until at least `kills` kills."""
+    if cfg.engine.name != "remote" or len(cfg.engine.remote_urls) != 1:
+        raise ValueError("pair_test needs engine.name='remote' and one engine.remote_urls")
     import rollwise.pipeline.launch  # noqa: F401 - imported once, before the forks
     from rollwise.models import load_policy
 
     load_policy(cfg.model.name)  # the model's libraries too: a trainer then builds in ~1 s
-
-    if cfg.engine.name != "remote" or len(cfg.engine.remote_urls) != 1:
-        raise ValueError("pair_test needs engine.name='remote' and one engine.remote_urls")
     workdir.mkdir(parents=True, exist_ok=True)
     cfg.run.output_dir = str(workdir)
     server = Server(server_command or SERVER, cfg.engine.remote_urls[0], workdir / "server.log",
