@@ -12,7 +12,9 @@ seed papers' strategies, composable with speculative drafts.
     partial+context   both
     spec_group    (flag) drafts from sibling responses of the same group (Seer)
     spec_reuse    (flag) the previous response to the same prompt is the draft (SPEC-RL),
-                  accepted by `reuse_rule`:
+                  longest previous first; after its first rejection the row is drafted from
+                  the prompt's previous responses and running siblings (exact rule); the
+                  reused draft is accepted by `reuse_rule`:
                     exact     speculative sampling with fresh seeds: lossless, but a fresh
                               draw rarely repeats a whole previous response
                     coupled   exact rule, each sample keeps its seed from the last epoch: the
