@@ -267,3 +267,42 @@ def test_a_killed_server_stops_the_run_clearly_and_resume_finishes_it(tmp_path, 
     assert summary["steps"] == 4
     assert [r["step"] for r in records(root, "train")] == [1, 2, 3, 4]
     assert server.version() == 4
+
+
+def test_a_busy_server_is_asked_again_and_a_refusal_is_not():
+    """409 (a weight update already running: a trainer resumed while its server still
+    loads) and 429 are "not now": sent again after the backoff; a 400 is final at once."""
+    import http.server
+    import json as jsonlib
+    import threading
+
+    answers = [409, 429, 200, 400]
+    seen: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            code = answers[len(seen)]
+            seen.append(code)
+            body = jsonlib.dumps({"ok": True} if code == 200 else {"message": f"no {code}"})
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    servers = Servers([f"http://127.0.0.1:{httpd.server_address[1]}"], timeout_s=5,
+                      retries=3, backoff_s=0.01)
+    try:
+        answer, _ = servers.post("/v1/weights/update", {"path": "x"})
+        assert answer == {"ok": True} and seen == [409, 429, 200] and servers.retried == 2
+        with pytest.raises(RemoteError, match="answered 400: no 400"):
+            servers.post("/v1/weights/update", {"path": "x"})
+        assert seen == [409, 429, 200, 400]  # not sent again
+    finally:
+        servers.close()
+        httpd.shutdown()

@@ -164,7 +164,8 @@ class EngineConfig(Section):
         "generation, a weight update) may take before the run stops with an error.")
     remote_retries: int = Field(
         3, ge=0, description="engine.name='remote': times a failed request (connection "
-        "refused, a 5xx answer) is sent again, to the next server when there are several.")
+        "refused, a 5xx answer, 409 or 429: busy) is sent again, to the next server when there "
+        "are several, after 0.25 s, 0.5 s, 1 s, ...")
     remote_weights_dir: str = Field(
         "", description="engine.name='remote': the folder each published version is "
         "written to (the servers must read it: a shared file system for servers on other "

@@ -1,6 +1,6 @@
 """HTTP to inference servers in other processes: a request sent again (to the next server
 when there are several) a bounded number of times when a server is unreachable or answers
-5xx, then one error naming the server, the route and the cause; a request that outlasts
+5xx or "busy" (409: a weight update already running; 429: queue full), then one error naming the server, the route and the cause; a request that outlasts
 its time limit is an error at once (never a hang). An answer is read by the caller's
 parser; a body that is not JSON, or that the parser cannot read, is an error naming the
 server and the route at once (a server speaking another protocol is not retried).
@@ -17,6 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+
+
+# answers that say "not now" rather than "never": a weight update already running (a trainer
+# resumed while its server still loads the last one), the server's queue full
+BUSY = (409, 429)
 
 
 class RemoteError(RuntimeError):
@@ -74,7 +79,7 @@ class Servers:
         seconds = time.perf_counter() - start
         if r.status_code < 400:
             return _json(r, url + route), seconds
-        if r.status_code < 500:
+        if r.status_code < 500 and r.status_code not in BUSY:
             raise RemoteError(f"{url}{route} answered {r.status_code}: {error_message(r)}")
         return f"answered {r.status_code}: {error_message(r)}"
 
