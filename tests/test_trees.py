@@ -436,3 +436,17 @@ def test_tree_keys_are_validated_and_reach_the_scheduler() -> None:
         "schedule.tree=latr", "schedule.latr_lookahead=[30,4,4]", "schedule.tree_share=0.5"])
     s = tree_settings(cfg.schedule)
     assert (s.mode, s.latr_lookahead, s.share) == ("latr", (4, 30), 0.5)
+
+
+def test_a_rounds_tree_counters_reach_the_step_record(model) -> None:
+    """Each round's forks, prunes and tree groups are that round's (not cumulative) and
+    appear in the step's rollout metrics; a plain round has none of the keys."""
+    _, sched = _latr(model, mode="entropy", max_tokens=16, entropy_branches=4)
+    first = sched.run(_groups(3, seed=1)).figures.metrics()
+    assert first["tree_groups"] == 3 and first["tree_forks"] == 9  # 3 forks per group of 4
+    second = sched.run(_groups(2, seed=2)).figures.metrics()
+    assert second["tree_groups"] == 2 and second["tree_forks"] == 6
+    assert sched.trees.counters.forks == 15
+    plain = RolloutScheduler(NativeEngine(model, eos_token_ids=[EOS]),
+                             SamplingParams(n=4, max_tokens=8), seed=3)
+    assert "tree_forks" not in plain.run(_groups(1)).figures.metrics()

@@ -32,6 +32,9 @@ class RolloutFigures:
     stale_dropped: int = 0  # pooled samples started over (older than max_staleness)
     stale_dropped_tokens: int = 0
     pool_groups: int = 0  # groups left in the partial pool after the (latest) round
+    tree_groups: int = 0  # groups grown as trees (schedule.tree; rollout/trees.py)
+    tree_forks: int = 0  # branches they started from another
+    tree_prunes: int = 0  # LATR branches pruned at a lookahead point
     lengths: list[int] = field(default_factory=list)  # [S] response lengths returned
 
     def __add__(self, other: RolloutFigures) -> RolloutFigures:
@@ -87,4 +90,7 @@ class RolloutFigures:
         }
         if self.spec_verifies:
             out["spec_accepted_len"] = 1.0 + self.spec_accepted / self.spec_verifies
+        if self.tree_groups:
+            out.update(tree_groups=self.tree_groups, tree_forks=self.tree_forks,
+                       tree_prunes=self.tree_prunes)
         return out

@@ -149,6 +149,7 @@ class RolloutScheduler:
         stale = self._apply_staleness_cap(groups)
         start = time.perf_counter()
         before = replace(self.engine.stats)
+        trees_before = replace(self.trees.counters) if self.trees else None
         delivered: dict[int, Group] = {}  # uid -> group, in the order they completed
 
         def deliver(g: _PendingGroup) -> None:
@@ -184,6 +185,11 @@ class RolloutScheduler:
                 if g.uid in delivered:
                     self.previous[tuple(g.ids)] = [s.done for s in g.slots]
                     self.previous_seeds[tuple(g.ids)] = [s.seed for s in g.slots]
+        if trees_before is not None:  # the round's tree counters (forks, prunes)
+            now = self.trees.counters
+            stale.update(tree_groups=now.groups - trees_before.groups,
+                         tree_forks=now.forks - trees_before.forks,
+                         tree_prunes=now.prunes - trees_before.prunes)
         return StepReport(out, self._figures(out, before, makespan, done_times, stale))
 
     def _take(self, c: Completion, now: float) -> _PendingGroup | None:
