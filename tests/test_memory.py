@@ -221,3 +221,15 @@ def test_reference_copy_in_bfloat16_gives_the_same_kl_under_autocast(tiny_llama)
     assert torch.equal(a, b)
     learner = _learner(model, kl_coef=0.1, precision="bf16-autocast", kl_fn=kl_estimators["k3"])
     assert learner.ref_model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+
+
+def test_checkpointing_can_be_undone(tiny_llama) -> None:
+    """`rollwise bench learner` times settings in turn on one model: after its checkpointing
+    variant the layers run plainly again (and hand back their key/value cache)."""
+    from rollwise.learner import memory
+
+    model = tiny_llama()
+    memory.enable_checkpointing(model)
+    assert model.model.layers[0].gradient_checkpointing
+    memory.disable_checkpointing(model)
+    assert not model.model.layers[0].gradient_checkpointing

@@ -99,6 +99,7 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
         device: str = "cpu", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from rollwise.algos import corrections, policy_losses
     from rollwise.learner import Learner
+    from rollwise.learner.memory import disable_checkpointing
 
     policy, pairs = load_workload(model, prompts, seed, device, split="pairs")
     peaks: dict[str, dict[str, float]] = {}
@@ -122,6 +123,8 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
                 synchronize(device)
                 times[v].append(time.perf_counter() - start)
                 del learner
+            if ckpt:  # the model is shared by every variant
+                disable_checkpointing(policy.model)
             if progress:
                 progress(f"rep {rep + 1}/{reps} {v}: {times[v][-1]:.2f}s")
     base = median(times[variants[0]])

@@ -91,6 +91,15 @@ def enable_checkpointing(model) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def disable_checkpointing(model) -> None:
+    """Undo `enable_checkpointing` (a benchmark that times several settings on one model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "activation_checkpointing_disable"):
+        base.activation_checkpointing_disable()
+    else:
+        base.gradient_checkpointing_disable()
+
+
 def reference_copy(model, precision: str):
     """A frozen copy of `model`, the reference policy of the KL term in full fine-tuning.
     Under bf16-autocast its linear layers are kept in bfloat16: autocast casts them to
