@@ -130,3 +130,19 @@ def test_drafter_drafts_on_a_lenient_request_use_the_exact_rule(model) -> None:
         got += engine.step()
     assert got[0].token_ids == want[0].token_ids
     assert engine.stats.spec_verifies > 1  # the drafter's guesses were verified too
+
+
+def test_batched_acceptance_equals_one_call_per_row() -> None:
+    """The verifier accepts a whole pass's rows with one sampling call per setting: each
+    row's draw and log-probs are bit for bit those of a call on that row alone."""
+    from rollwise.engine.sampling import sample_and_score, sample_and_score_rows, uniforms
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(120, 300, generator=gen) * 3
+    settings = [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.9), (0.0, 0, 1.0)] * 30
+    u = uniforms(list(range(120)), [7] * 120)
+    score = torch.randint(0, 300, (120,), generator=gen)
+    tok, lp, lp_score = sample_and_score_rows(logits, settings, u, score)
+    for i, s in enumerate(settings):
+        t, a, b = sample_and_score(logits[i: i + 1], *s, u[i: i + 1], score[i: i + 1])
+        assert (tok[i], lp[i], lp_score[i]) == (t.item(), a.item(), b.item())

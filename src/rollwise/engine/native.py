@@ -276,9 +276,10 @@ class NativeEngine:
             for i, (tok, lp) in self._draw(plain, logits).items():
                 self._emit(plain[i], [tok], [lp])
             self._note_stats(plain, logits, before)
-        for r in fresh:
-            if r.draft:
-                self.verifier.accept(r, r.group.logits[None])
+        drafted = [r for r in fresh if r.draft]
+        if drafted:  # the first token of each: one sampling call for all
+            self.verifier.accept_rows(drafted, torch.stack([r.group.logits for r in drafted]),
+                                      [(i, 1) for i in range(len(drafted))])
         self.stats.decode_seconds += time.perf_counter() - start
 
     def _prefill(self, groups: list[Group]) -> None:
@@ -421,8 +422,6 @@ class _NotingVerifier(DraftVerifier):
 
     note = None
 
-    def accept(self, r: Request, logits: torch.Tensor) -> None:
-        before = len(r.tokens)
-        super().accept(r, logits)
+    def on_emitted(self, r: Request, logits: torch.Tensor, before: int) -> None:
         if r.wants_stats:
             self.note([r], logits, [before], [0])

@@ -127,6 +127,26 @@ def sample_and_score(logits: torch.Tensor, temperature: float, top_k: int, top_p
             logp.gather(-1, score_ids.to(logp.device)[:, None])[:, 0])
 
 
+def sample_and_score_rows(logits: torch.Tensor, settings: list[tuple[float, int, float]],
+                          u: torch.Tensor, score_ids: torch.Tensor,
+                          ) -> tuple[list[int], list[float], list[float]]:
+    """`sample_and_score` for rows with their own (temperature, top_k, top_p): one call per
+    distinct setting over all its rows (a verification pass's rows usually share one), so a
+    batch costs a few tensor calls rather than one per request. Every operation is per row,
+    so each row's results are those of a call on that row alone."""
+    by_settings: dict[tuple, list[int]] = {}
+    for i, s in enumerate(settings):
+        by_settings.setdefault(s, []).append(i)
+    n = len(settings)
+    tokens, lp, lp_score = [0] * n, [0.0] * n, [0.0] * n
+    for (temp, top_k, top_p), idx in by_settings.items():
+        sel = slice(None) if len(idx) == n else torch.tensor(idx)
+        tok, a, b = sample_and_score(logits[sel], temp, top_k, top_p, u[sel], score_ids[sel])
+        for i, t, x, y in zip(idx, tok.tolist(), a.tolist(), b.tolist()):
+            tokens[i], lp[i], lp_score[i] = t, x, y
+    return tokens, lp, lp_score
+
+
 def token_stats(logits: torch.Tensor, k: int) -> tuple[list[list[tuple[int, float]]], list[float]]:
     """Per row of `logits` [N, V]: the k most likely (id, log-prob) pairs and the entropy of
     the temperature-1 distribution before any truncation (what an engine reports on request)."""

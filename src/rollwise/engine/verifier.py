@@ -20,7 +20,7 @@ from rollwise.engine.base import Drafter, EngineStats
 from rollwise.engine.decoder import Decoder
 from rollwise.engine.kvcache import KVCache
 from rollwise.engine.requests import Request, walk_draft
-from rollwise.engine.sampling import sample_and_score, uniforms
+from rollwise.engine.sampling import sample_and_score_rows, uniforms
 
 _ACCEPT_STREAM = 0x5DEECE66D  # second uniform stream (lenient acceptance tests)
 
@@ -102,9 +102,10 @@ class DraftVerifier:
             self.stats.recompute_tokens += first
         ix = torch.tensor(picks, device=hidden.device)
         logits = self.decoder.logits(hidden[ix[:, 0], ix[:, 1]])
-        for r, (s, n) in zip(reqs, spans):
+        for r in reqs:
             r.cached = len(r.tokens)  # the pending tokens are now cached
-            self.accept(r, logits[s: s + n])
+        self.accept_rows(reqs, logits, spans)
+        for r, (_, n) in zip(reqs, spans):
             self._grow(r, n - 1)
         self.stats.prefill_seconds += time.perf_counter() - start
 
@@ -123,23 +124,44 @@ class DraftVerifier:
 
     def accept(self, r: Request, logits: torch.Tensor) -> None:
         """Verify r.draft against `logits` ([len(draft) + 1, V]; [1, V] at admission)."""
-        if r.draft and not r.tokens:  # its first token: a draft it was submitted with
-            self._reusing.add(r.id)
-        n = logits.shape[0]
-        positions = [len(r.tokens) + k for k in range(n)]
-        u = uniforms([r.seed] * n, positions)
-        draft = r.draft[:n]
-        score = torch.tensor(draft + [0] * (n - len(draft)))
-        p = r.params
-        tok, lp, lp_draft = sample_and_score(logits, p.temperature, p.top_k, p.top_p, u, score)
-        accept_u = uniforms([r.seed ^ _ACCEPT_STREAM] * n, positions).tolist()
-        out, lps, accepted = walk_draft(tok.tolist(), lp.tolist(), draft, lp_draft.tolist(),
-                                        accept_u, r)
-        if draft:
-            self.stats.spec_verifies += 1
-            self.stats.spec_drafted += len(draft)
-            self.stats.spec_accepted += accepted
-        r.draft = r.draft[n:] if accepted == n else []
-        if r.draft_logprobs is not None:
-            r.draft_logprobs = r.draft_logprobs[n:] if r.draft else None
-        self.emit(r, out, lps)
+        self.accept_rows([r], logits, [(0, logits.shape[0])])
+
+    def accept_rows(self, reqs: list[Request], logits: torch.Tensor,
+                    spans: list[tuple[int, int]]) -> None:
+        """Verify each request's draft against its rows of `logits`: request i's are rows
+        spans[i][0] .. + spans[i][1] (its draft's length + 1). The policy's draws and the
+        draft tokens' log-probs of all rows come from one sampling call per sampling setting
+        (one call per request cost as much as the pass's forward on CPU); each row keeps its
+        own uniforms, so the tokens are those of a call per request."""
+        seeds, accept_seeds, positions, scores, settings = [], [], [], [], []
+        for r, (_, n) in zip(reqs, spans):
+            if r.draft and not r.tokens:  # its first token: a draft it was submitted with
+                self._reusing.add(r.id)
+            draft = r.draft[:n]
+            seeds += [r.seed] * n
+            accept_seeds += [r.seed ^ _ACCEPT_STREAM] * n
+            positions += range(len(r.tokens), len(r.tokens) + n)
+            scores += draft + [0] * (n - len(draft))
+            p = r.params
+            settings += [(p.temperature, p.top_k, p.top_p)] * n
+        tok, lp, lp_draft = sample_and_score_rows(logits, settings, uniforms(seeds, positions),
+                                                  torch.tensor(scores))
+        accept_u = uniforms(accept_seeds, positions).tolist()
+        for r, (s, n) in zip(reqs, spans):
+            draft = r.draft[:n]
+            out, lps, accepted = walk_draft(tok[s: s + n], lp[s: s + n], draft,
+                                            lp_draft[s: s + n], accept_u[s: s + n], r)
+            if draft:
+                self.stats.spec_verifies += 1
+                self.stats.spec_drafted += len(draft)
+                self.stats.spec_accepted += accepted
+            r.draft = r.draft[n:] if accepted == n else []
+            if r.draft_logprobs is not None:
+                r.draft_logprobs = r.draft_logprobs[n:] if r.draft else None
+            before = len(r.tokens)
+            self.emit(r, out, lps)
+            self.on_emitted(r, logits[s: s + n], before)
+
+    def on_emitted(self, r: Request, logits: torch.Tensor, before: int) -> None:
+        """Called after `r`'s accepted tokens (those after its first `before`) were emitted,
+        drawn from `logits` in order: a hook for per-token statistics (the engine's)."""
