@@ -41,7 +41,7 @@ from rollwise.engine.sampling import derive_seed
 from rollwise.rollout.drafts import GroupNgramIndex
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.strategy import strategy as strategy_named
-from rollwise.rollout.trees import TreeGrower, TreeSettings
+from rollwise.rollout.trees import TreeCounters, TreeGrower, TreeSettings
 from rollwise.types import Completion, EncodedPrompt, Group, Sample, Trajectory
 
 REUSE_RULES = ("exact", "coupled", "spec-rl")
@@ -185,11 +185,7 @@ class RolloutScheduler:
                 if g.uid in delivered:
                     self.previous[tuple(g.ids)] = [s.done for s in g.slots]
                     self.previous_seeds[tuple(g.ids)] = [s.seed for s in g.slots]
-        if trees_before is not None:  # the round's tree counters (forks, prunes)
-            now = self.trees.counters
-            stale.update(tree_groups=now.groups - trees_before.groups,
-                         tree_forks=now.forks - trees_before.forks,
-                         tree_prunes=now.prunes - trees_before.prunes)
+        stale.update(self._tree_counts(trees_before))
         return StepReport(out, self._figures(out, before, makespan, done_times, stale))
 
     def _take(self, c: Completion, now: float) -> _PendingGroup | None:
@@ -321,6 +317,14 @@ class RolloutScheduler:
         for t, s in zip(out.trajectories, g.slots):
             t.loss_mask = s.mask
         return out
+
+    def _tree_counts(self, before: TreeCounters | None) -> dict[str, int]:
+        """The round's tree counters (forks, prunes, groups) since `before`; none without trees."""
+        if before is None:
+            return {}
+        now = self.trees.counters
+        return {"tree_groups": now.groups - before.groups, "tree_forks": now.forks - before.forks,
+                "tree_prunes": now.prunes - before.prunes}
 
     def _figures(self, groups: list[Group], before, makespan: float,
                  done_times: list[float], stale: dict[str, int]) -> RolloutFigures:
