@@ -79,13 +79,15 @@ def test_reuse_in_a_large_batch_is_lossless_and_needs_fewer_passes(model, rule) 
         assert second.figures.forward_passes <= want.figures.forward_passes + 1
 
 
-def test_long_drafts_are_verified_in_growing_windows(model) -> None:
+@pytest.mark.parametrize("spec_max_tokens, want", [(16, [5, 9, 17, 17]), (0, [5, 5, 5, 5])])
+def test_long_drafts_are_verified_in_growing_windows(model, spec_max_tokens, want) -> None:
     """Greedy, unchanged policy: a reused response is accepted whole, in windows of 4, 8,
-    then 16 draft tokens (plus the one each pass's last logits verify)."""
+    then 16 draft tokens (plus the one each pass's last logits verify) with spec_max_tokens
+    16; by default (0) every window is spec_tokens wide."""
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     prompt = [1, 40, 41, 42]
     first = NativeEngine(model).generate([prompt], params)[0].token_ids
-    engine = NativeEngine(model)
+    engine = NativeEngine(model, spec_max_tokens=spec_max_tokens)
     widths = []
     plan = engine.decoder.plan
 
@@ -101,7 +103,7 @@ def test_long_drafts_are_verified_in_growing_windows(model) -> None:
     assert out[0].token_ids == first
     # the first token comes from the prompt's logits; each pass feeds its pending token
     # and its window, and verifies one more draft token with its last logits
-    assert widths[:4] == [5, 9, 17, 17]
+    assert widths[:4] == want
     assert engine.stats.spec_accepted == 60
 
 
@@ -146,3 +148,19 @@ def test_batched_acceptance_equals_one_call_per_row() -> None:
     for i, s in enumerate(settings):
         t, a, b = sample_and_score(logits[i: i + 1], *s, u[i: i + 1], score[i: i + 1])
         assert (tok[i], lp[i], lp_score[i]) == (t.item(), a.item(), b.item())
+
+
+def test_spec_max_tokens_reaches_the_verifier(model) -> None:
+    """[schedule] spec_max_tokens (default 0: no window wider than spec_tokens) reaches the
+    native engine's verifier through build_engine."""
+    from types import SimpleNamespace
+
+    from rollwise.compose.parts import build_engine
+    from rollwise.compose.sections import ScheduleConfig
+
+    assert ScheduleConfig().spec_max_tokens == 0
+    assert ScheduleConfig(spec_max_tokens=16).spec_max_tokens == 16
+    policy = SimpleNamespace(model=model, stop_ids=[2], tokenizer=SimpleNamespace(pad_token_id=0))
+    for asked, window in ((0, 4), (2, 4), (16, 16)):
+        engine = build_engine("native", policy, 8, 0, spec_tokens=4, spec_max_tokens=asked)
+        assert engine.verifier.verify_window == window

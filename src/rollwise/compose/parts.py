@@ -95,7 +95,8 @@ def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
     e = cfg.engine
     engine = build_engine(e.name, policy, e.batch_size, e.kv_budget_tokens,
                            precision.rollout, spec_tokens=cfg.schedule.spec_tokens,
-                           decode_step=e.decode_step)
+                           decode_step=e.decode_step,
+                           spec_max_tokens=cfg.schedule.spec_max_tokens)
     sampling = build_sampling(cfg)
     if task is not None and task.env is not None:
         return RolloutStage(engine, sampling, policy.decode, keep_env_rewards,
@@ -294,11 +295,13 @@ def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, 
 
 def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int,
                   dtype: str = "float32", weights_from: Engine | None = None,
-                  spec_tokens: int = 4, decode_step: str = "auto") -> Engine:
+                  spec_tokens: int = 4, decode_step: str = "auto",
+                  spec_max_tokens: int = 0) -> Engine:
     """`dtype`: the native engine's precision; `weights_from`: a native engine whose
     converted weights this one shares (the evaluator reads the rollout engine's copy);
     `spec_tokens`: draft tokens one verification pass takes; `decode_step`: how its
-    decode step runs (engine/step.py)."""
+    decode step runs (engine/step.py); `spec_max_tokens`: the widest verification window
+    a long draft grows to (0: spec_tokens)."""
     from rollwise.compose.config import ConfigError
     from rollwise.engine import NativeEngine, make_engine
 
@@ -307,7 +310,8 @@ def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: i
                           "'native'); the HF engine samples from the float32 model")
     options = {"kv_budget_tokens": kv_budget_tokens} if name == "native" else {}
     if name == "native":
-        options |= {"dtype": dtype, "spec_tokens": spec_tokens, "step_mode": decode_step}
+        options |= {"dtype": dtype, "spec_tokens": spec_tokens, "step_mode": decode_step,
+                    "spec_max_tokens": spec_max_tokens}
         if isinstance(weights_from, NativeEngine):
             options["weights_from"] = weights_from
     return make_engine(name, policy.model, eos_token_ids=policy.stop_ids,

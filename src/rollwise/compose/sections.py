@@ -193,6 +193,11 @@ class ScheduleConfig(Section):
         False, description="SPEC-RL: a prompt seen in an earlier epoch drafts from its "
         "previous responses; generation resumes at the first rejected token.")
     spec_tokens: int = Field(4, ge=1, description="Draft tokens verified per forward pass.")
+    spec_max_tokens: int = Field(
+        0, ge=0, description="spec_reuse: a long reused draft's verification window doubles "
+        "while accepted, from spec_tokens up to this (0 or below spec_tokens: no growth). "
+        "Growth saves forward passes but widens every row of the pass: slower on a CPU, "
+        "see docs/rollout.md.")
     reuse_rule: Literal["exact", "coupled", "spec-rl"] = Field(
         "exact", description="spec_reuse acceptance: 'exact' (speculative sampling, lossless), "
         "'coupled' (exact, each sample keeps its seed across epochs: lossless per step, far "

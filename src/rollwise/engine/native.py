@@ -45,12 +45,15 @@ class NativeEngine:
                  eos_token_ids: list[int] | None = None, share_prefix: bool = True,
                  static_batch: bool = False, drafter: Drafter | None = None,
                  spec_tokens: int = 4, spec_max_batch: int = 8, version: int = 0,
-                 weights_from: NativeEngine | None = None, step_mode: str = "auto"):
+                 weights_from: NativeEngine | None = None, step_mode: str = "auto",
+                 spec_max_tokens: int = 0):
         """`static_batch`: admit only into an empty batch and keep finished rows computing
         until the whole batch ends (a baseline). `drafter`: given [(request id, tokens so
         far)] and `spec_tokens` returns a draft per request; consulted when at most
         `spec_max_batch` rows run (speculation pays in small batches). Both are defaults
         that a caller of `step` may replace for that step (the rollout scheduler does).
+        `spec_max_tokens`: the widest window a long draft's verification grows to (0: none
+        wider than `spec_tokens`; see verifier.py).
         `dtype`: the weights, activations and KV cache (float32 or bfloat16), see
         docs/precision.md. `weights_from`: an engine over the same model whose converted
         weights this one reads (refreshed when that engine publishes), e.g. the evaluator's.
@@ -77,7 +80,8 @@ class NativeEngine:
                                    max_num_seqs=max_num_seqs)
         self.decode_step = DecodeStep(self.decoder, self.cache, step_mode)
         self.verifier = _NotingVerifier(self.decoder, self.cache, self.stats, self._emit,
-                                        spec_tokens=spec_tokens, spec_max_batch=spec_max_batch)
+                                        spec_tokens=spec_tokens, spec_max_batch=spec_max_batch,
+                                        verify_window=spec_max_tokens)
         self.verifier.note = self._note_stats
         self._next_id = 0
 

@@ -3,10 +3,11 @@
 `DraftVerifier` asks a drafter for continuations when the batch is small enough to profit
 (or, in a larger one, while rows submitted with a draft run and most rows would verify one),
 runs one forward pass over each row's pending tokens plus its draft (a long draft in windows
-that double while accepted, up to `verify_window`), and walks each draft against the policy's
-own draws (`requests.walk_draft`: exact acceptance, or SPEC-RL's lenient rule for a reused
-draft with stored log-probs). The tokens it accepts go to the step loop's `emit`, handed in as a
-callable, so this module never imports the engine.
+of `spec_tokens`, or, when `verify_window` is wider, in windows that double while accepted up
+to it), and walks each draft against the policy's own draws (`requests.walk_draft`: exact
+acceptance, or SPEC-RL's lenient rule for a reused draft with stored log-probs), the draws of
+all the pass's rows coming from one sampling call. The tokens it accepts go to the step loop's
+`emit`, handed in as a callable, so this module never imports the engine.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ Emit = Callable[[Request, list[int], list[float]], None]
 
 class DraftVerifier:
     def __init__(self, decoder: Decoder, cache: KVCache, stats: EngineStats, emit: Emit, *,
-                 spec_tokens: int = 4, spec_max_batch: int = 8, verify_window: int = 16):
+                 spec_tokens: int = 4, spec_max_batch: int = 8, verify_window: int = 0):
         """`spec_tokens`: the most tokens a drafter proposes per row; `spec_max_batch`: the
         most running rows at which the drafter is always asked; `verify_window`: the most draft
         tokens one pass feeds per row (a long reused draft is verified in windows from
-        `spec_tokens` up to this, so a rejection early wastes little)."""
+        `spec_tokens` up to this, so a rejection early wastes little); 0 or anything below
+        `spec_tokens`: `spec_tokens`, windows that never grow. A pass is as wide as its widest
+        row for every row, so on a compute-bound CPU a grown window costs more wall time than
+        the passes it saves (docs/rollout.md has the figures)."""
         self.decoder, self.cache, self.stats, self.emit = decoder, cache, stats, emit
         self.spec_tokens, self.spec_max_batch = spec_tokens, spec_max_batch
-        self.verify_window = verify_window
+        self.verify_window = max(verify_window, spec_tokens)
         self.merge_share = 0.5  # see `merges`
         self._windows: dict[int, int] = {}  # request id -> its long draft's next window
         self._reusing: set[int] = set()  # resident requests submitted with a draft
