@@ -154,3 +154,17 @@ def test_a_missing_torchao_is_named(monkeypatch) -> None:
         build_optimizer("adamw8bit", [w], lr=1e-3, betas=BETAS, weight_decay=0.0)
     with pytest.raises(ValueError, match="unknown learner.optimizer"):
         build_optimizer("sgd", [w], lr=1e-3, betas=BETAS, weight_decay=0.0)
+
+
+def test_loading_a_model_beside_torchao_prints_no_import_noise() -> None:
+    """transformers imports torchao at every model load when it is installed; its warnings
+    about GPU-only kernels (and torch's deprecation notes) must not reach a run's output."""
+    import subprocess
+
+    code = ("import rollwise, rollwise.models.tiny\n"
+            "import transformers.quantizers.auto\n"  # what imports torchao
+            "import torchao\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Failed to load" not in out.stderr and "deprecated" not in out.stderr, out.stderr

@@ -7,7 +7,15 @@ Heavy parts (torch, transformers) load on first use, so `import rollwise.observe
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+# transformers imports torchao (the `lowbit` extra: learner.optimizer's low-bit moments)
+# whenever it is installed, at every model load; that import logs a warning for each
+# GPU-only kernel it cannot load on a CPU, and torch one for each of torchao's enum
+# registrations it deprecates: noise on every run, nothing this run can act on
+for _quiet in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_quiet).setLevel(logging.ERROR)
 
 __version__ = "0.1.0"
 
