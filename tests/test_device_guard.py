@@ -37,8 +37,6 @@ ALLOWED = {
     "decoder's device for the prefill",
     ("engine/step.py", "inputs"): "the decode step's host-side inputs: made in one pass "
     "over the rows, copied to the device once per step",
-    ("engine/verifier.py", "accept"): "draft ids from Python lists; sample_and_score moves "
-    "them to the logits' device",
     ("learner/batch.py", "collate"): "the batch is assembled on the host; take_rows moves "
     "each micro-batch to the learner's device",
     ("learner/batch.py", "micro_batches"): "row indices (host bookkeeping)",

@@ -140,8 +140,12 @@ def sample_and_score_rows(logits: torch.Tensor, settings: list[tuple[float, int,
     n = len(settings)
     tokens, lp, lp_score = [0] * n, [0.0] * n, [0.0] * n
     for (temp, top_k, top_p), idx in by_settings.items():
-        sel = slice(None) if len(idx) == n else torch.tensor(idx)
-        tok, a, b = sample_and_score(logits[sel], temp, top_k, top_p, u[sel], score_ids[sel])
+        rows = None if len(idx) == n else torch.tensor(idx, device=logits.device)
+
+        def pick(x: torch.Tensor) -> torch.Tensor:  # each tensor indexed on its own device
+            return x if rows is None else x[rows.to(x.device)]
+
+        tok, a, b = sample_and_score(pick(logits), temp, top_k, top_p, pick(u), pick(score_ids))
         for i, t, x, y in zip(idx, tok.tolist(), a.tolist(), b.tolist()):
             tokens[i], lp[i], lp_score[i] = t, x, y
     return tokens, lp, lp_score

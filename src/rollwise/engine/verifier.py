@@ -149,7 +149,7 @@ class DraftVerifier:
             p = r.params
             settings += [(p.temperature, p.top_k, p.top_p)] * n
         tok, lp, lp_draft = sample_and_score_rows(logits, settings, uniforms(seeds, positions),
-                                                  torch.tensor(scores))
+                                                  torch.tensor(scores, device=logits.device))
         accept_u = uniforms(accept_seeds, positions).tolist()
         for r, (s, n) in zip(reqs, spans):
             draft = r.draft[:n]
