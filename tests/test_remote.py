@@ -5,7 +5,6 @@ config in process, the server's version following the trainer, a server killed m
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rollwise.bench.servers import free_port, wait_ready
 from rollwise.compose.config import ConfigError, load_config
 from rollwise.engine.base import SamplingParams
 from rollwise.learner.files import write_weights
@@ -33,12 +33,6 @@ TIMING = ("time", "seconds", "_per_s", "makespan", "tail_s", "publish", "eta", "
 ROUTES = ("/version", "/v1/generate", "/v1/weights/update")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """`rollwise serve --model tiny` in a subprocess on `port`."""
 
@@ -52,17 +46,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollwise", "serve", "--model", "tiny", "--port",
              str(self.port), "--threads", "1"], stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        pytest.fail("the server did not answer /health in time")
+        wait_ready(self.url, self.proc, self.log, timeout_s)
 
     def missing_route(self) -> str | None:
         """The first route of the protocol this server does not have (404), or None."""
@@ -280,7 +264,7 @@ def test_a_busy_server_is_asked_again_and_a_refusal_is_not():
     seen: list[int] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
+        def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
             code = answers[len(seen)]
             seen.append(code)
