@@ -228,11 +228,18 @@ class Learner:
     # -- the trainer port (pipeline/ports.py), in this process ------------------------------
     def publish(self, version: int) -> Published:
         """In one process the rollout engine reads this learner's tensors: nothing to send."""
+        self._published = version
         return Published(version)
 
-    def sync_into(self, model) -> None:
-        """The driver's model is the one this learner trains: always current."""
-        return None
+    def sync_into(self, model) -> int | None:
+        """The driver's model is the one this learner trains: always current. The version
+        when it changed since the last call (an evaluator's engine with its own copy of the
+        weights re-reads them then; one reading the rollout engine's only follows)."""
+        published = getattr(self, "_published", None)
+        if published == getattr(self, "_synced", None):
+            return None
+        self._synced = published
+        return published
 
     def close(self) -> None:
         pass
