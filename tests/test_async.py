@@ -133,8 +133,9 @@ def test_staleness_bound_drops_or_regenerates_and_counts(policy):
 
 
 def test_bad_run_combinations_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match="needs run.backend='ray'"):
-        check_run_config(small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1"))
+    with pytest.raises(ConfigError, match="needs engine.name='native'"):
+        check_run_config(small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1",
+                               "engine.name='hf'"))
     with pytest.raises(ConfigError, match="num_workers"):
         check_run_config(small(tmp_path, "ray.num_workers=2"))
     with pytest.raises(ConfigError, match="schedule.mode"):

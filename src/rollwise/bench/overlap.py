@@ -4,8 +4,9 @@ Variants of one training config, same seed, same steps (so the same number of
 trajectories), trained through the real driver one after another:
 
     local-sync      run.backend='local' (one process): the reference of the Ray overhead
-    local-async-1   one process, mode 'async', max_staleness 1; the build refuses it today
-                    (the engine reads the learner's tensors) and the bench lists the reason
+    local-async-1   one process, mode 'async', max_staleness 1: the producer thread rolls
+                    out step k+1 (the engine on its own copy of the weights) while step k
+                    trains; `run.threads = 0` gives each side half the free cores
     ray-sync        run.backend='ray', mode 'sync': rollout worker and learner as actors,
                     one after the other; its rollout and train phases are the stages
                     'measured alone with the same split'

@@ -37,7 +37,9 @@ from rollwise.types import CORRECT
 def build_policy(cfg: Config, task: Task) -> Policy:
     m = cfg.model
     warm = [(s.prompt, s.reference) for s in task.train if s.reference] if m.name == "tiny" else None
-    policy = load_policy(m.name, device=cfg.run.device, dtype=m.dtype, warm_start=warm,
+    # a bfloat16 learner trains the model as loaded: no float32 copy is ever made
+    dtype = "bfloat16" if cfg.learner.master_dtype == "bfloat16" else m.dtype
+    policy = load_policy(m.name, device=cfg.run.device, dtype=dtype, warm_start=warm,
                          tiny=m.tiny.model_dump() | {"seed": cfg.run.seed})
     if m.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
@@ -88,15 +90,17 @@ def build_sampling(cfg: Config) -> SamplingParams:
 
 def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
                         scorer: Callable, fetch: Callable | None = None,
-                        task: Task | None = None) -> RolloutStage:
+                        task: Task | None = None, own_weights: bool = False) -> RolloutStage:
     """The rollout engine, its scheduler and the stage around them (the local driver's,
     or a Ray rollout worker's); `scorer` scores trajectories in place. A `task` with an
-    environment rolls out multi-turn episodes, scored by the environment."""
+    environment rolls out multi-turn episodes, scored by the environment. `own_weights`:
+    the engine keeps its own copy of the weights (it generates while the trainer trains)."""
     e = cfg.engine
     engine = build_engine(e.name, policy, e.batch_size, e.kv_budget_tokens,
                            precision.rollout, spec_tokens=cfg.schedule.spec_tokens,
                            decode_step=e.decode_step,
-                           spec_max_tokens=cfg.schedule.spec_max_tokens)
+                           spec_max_tokens=cfg.schedule.spec_max_tokens,
+                           own_weights=own_weights)
     sampling = build_sampling(cfg)
     if task is not None and task.env is not None:
         return RolloutStage(engine, sampling, policy.decode, keep_env_rewards,
@@ -126,7 +130,8 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
         correction_options={"cap": a.correction_cap, "low": a.correction_low},
         skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts,
         activation_checkpointing=lc.activation_checkpointing,
-        memory_budget_mb=lc.memory_budget_mb, optimizer=lc.optimizer)
+        memory_budget_mb=lc.memory_budget_mb, optimizer=lc.optimizer,
+        master_dtype=lc.master_dtype, seed=cfg.run.seed)
 
 
 def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer: Callable,
@@ -296,12 +301,13 @@ def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, 
 def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int,
                   dtype: str = "float32", weights_from: Engine | None = None,
                   spec_tokens: int = 4, decode_step: str = "auto",
-                  spec_max_tokens: int = 0) -> Engine:
+                  spec_max_tokens: int = 0, own_weights: bool = False) -> Engine:
     """`dtype`: the native engine's precision; `weights_from`: a native engine whose
     converted weights this one shares (the evaluator reads the rollout engine's copy);
     `spec_tokens`: draft tokens one verification pass takes; `decode_step`: how its
     decode step runs (engine/step.py); `spec_max_tokens`: the widest verification window
-    a long draft grows to (0: spec_tokens)."""
+    a long draft grows to (0: spec_tokens); `own_weights`: the native engine's copy of the
+    weights even in the parameters' precision."""
     from rollwise.compose.config import ConfigError
     from rollwise.engine import NativeEngine, make_engine
 
@@ -311,7 +317,7 @@ def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: i
     options = {"kv_budget_tokens": kv_budget_tokens} if name == "native" else {}
     if name == "native":
         options |= {"dtype": dtype, "spec_tokens": spec_tokens, "step_mode": decode_step,
-                    "spec_max_tokens": spec_max_tokens}
+                    "spec_max_tokens": spec_max_tokens, "own_weights": own_weights}
         if isinstance(weights_from, NativeEngine):
             options["weights_from"] = weights_from
     return make_engine(name, policy.model, eos_token_ids=policy.stop_ids,

@@ -120,11 +120,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+@dataclass
+class Taken:
+    """Weights converted by `Decoder.take`, waiting to be installed (`Decoder.refresh`)."""
+
+    parts: list[tuple]  # ("tensor", module, weight) / ("dense", modules, projection)
+    seconds: float  # what taking them cost
+
+
 class Decoder:
     def __init__(self, model, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, own_weights: bool = False):
         """`dtype`: the compute precision (float32, bfloat16, ...), or torch.int8 for int8
-        projections around float32 activations."""
+        projections around float32 activations. `own_weights`: keep a copy even when the
+        precision is the parameters' (a trainer in another thread updates them while this
+        decoder generates: asynchronous training in one process)."""
         check_supported(model)
         hf = unwrap(model)
         self.hf = hf
@@ -145,7 +155,8 @@ class Decoder:
         self.dtype = torch.float32 if self.int8 else (dtype or weight.dtype)
         self.device = resolve_device(device if device is not None else weight.device)
         self.shared = (self.dtype == weight.dtype and self.device == resolve_device(weight.device)
-                       and not self.int8)
+                       and not self.int8 and not own_weights)
+        self.own_weights = own_weights
         self.generation = 0  # publications so far (refresh)
         window = getattr(cfg, "sliding_window", None)
         if not (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
@@ -183,21 +194,46 @@ class Decoder:
         return mods
 
     @torch.no_grad()
-    def refresh(self) -> float:
-        """Take the converted copy of the weights (only when not shared): the policy
-        publication's cost; returns seconds. Counts the publications (`generation`), so
-        that every engine reading these weights can tell keys/values computed before."""
+    def take(self) -> Taken | None:
+        """A converted copy of the current weights, to be installed later by
+        `refresh(taken)`; None when the weights are shared. The asynchronous driver takes it
+        on the trainer's thread right after an update (the parameters hold still there) and
+        installs it on the rollout thread between two steps' rollouts."""
+        if self.shared:
+            return None
+        start = time.perf_counter()
+        parts = list(self._converted())
+        return Taken(parts, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def refresh(self, taken: Taken | None = None) -> float:
+        """Install the converted copy of the weights (only when not shared): taken now, or
+        `taken` earlier by `take`. The policy publication's cost; returns seconds. Counts
+        the publications (`generation`), so that every engine reading these weights can
+        tell keys/values computed before."""
         self.generation += 1
         if self.shared:
             return 0.0
         start = time.perf_counter()
+        # taken now, each tensor replaces (or is written into) the one it follows before
+        # the next is made: a publication holds at most one projection twice, not the model
+        for kind, key, value in (taken.parts if taken is not None else self._converted()):
+            if kind == "tensor":
+                self._tensors[key] = _into(self._tensors.get(key), value)
+            else:  # written into the tensors already held: captured graphs read those
+                name = key if len(key) > 1 else key[0]
+                self._linears[name] = _into_dense(self._linears.get(name), value)
+        return time.perf_counter() - start + (taken.seconds if taken is not None else 0.0)
+
+    def _converted(self):
+        """The weights in this decoder's precision and layout, one tensor or projection at
+        a time: ("tensor", module, weight) and ("dense", modules, projection). Tensors
+        already in that precision (int8's float32 norms and embedding) are the parameters'
+        own, read in place, unless the decoder owns its weights."""
         pack = (self.dtype == torch.bfloat16 and self.device.type == "cpu"
                 and torch.backends.mkldnn.is_available())
-        # each tensor replaces (or is written into) the one it follows before the next is
-        # made: a publication holds at most one projection twice, not the whole model
         for m in self._plain():
-            self._tensors[m] = _into(self._tensors.get(m),
-                                     m.weight.detach().to(self.device, self.dtype))
+            yield "tensor", m, m.weight.detach().to(self.device, self.dtype, copy=self.own_weights)
         amax = self._input_ranges() if self.int8 else {}
         for mods in self._groups():
             ws = [_effective_weight(m) for m in mods]
@@ -206,17 +242,14 @@ class Decoder:
             b = None if all(x is None for x in bs) else torch.cat([
                 x.detach() if x is not None else w_.new_zeros(w_.shape[0])
                 for x, w_ in zip(bs, ws)])
-            w, b = w.to(self.device, self.dtype), None if b is None else b.to(self.device, self.dtype)
+            w = w.to(self.device, self.dtype, copy=self.own_weights and len(ws) == 1)
+            b = None if b is None else b.to(self.device, self.dtype)
+            self._sizes[mods] = [x.shape[0] for x in ws]
             if mods[0] in amax:
                 smooth = (amax[mods[0]].clamp(min=1e-5) / w.abs().amax(0).clamp(min=1e-5)).sqrt()
-                dense = Int8Dense(w, b, smooth)
+                yield "dense", mods, Int8Dense(w, b, smooth)
             else:
-                dense = Dense(w, b, pack=pack)
-            key = mods if len(mods) > 1 else mods[0]
-            # written into the tensors already held: captured graphs read those
-            self._linears[key] = _into_dense(self._linears.get(key), dense)
-            self._sizes[mods] = [x.shape[0] for x in ws]
-        return time.perf_counter() - start
+                yield "dense", mods, Dense(w, b, pack=pack)
 
     def _int8_inputs(self) -> list[nn.Module]:
         """The first projection of each int8 group (the group's input is read through it);

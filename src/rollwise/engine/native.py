@@ -30,7 +30,7 @@ import torch
 
 from rollwise.engine.admission import Admission
 from rollwise.engine.base import Drafter, EngineStats, SamplingParams
-from rollwise.engine.decoder import Decoder
+from rollwise.engine.decoder import Decoder, Taken
 from rollwise.engine.kvcache import KVCache
 from rollwise.engine.requests import Group, Request
 from rollwise.engine.sampling import derive_seed, draw, token_stats
@@ -46,7 +46,7 @@ class NativeEngine:
                  static_batch: bool = False, drafter: Drafter | None = None,
                  spec_tokens: int = 4, spec_max_batch: int = 8, version: int = 0,
                  weights_from: NativeEngine | None = None, step_mode: str = "auto",
-                 spec_max_tokens: int = 0):
+                 spec_max_tokens: int = 0, own_weights: bool = False):
         """`static_batch`: admit only into an empty batch and keep finished rows computing
         until the whole batch ends (a baseline). `drafter`: given [(request id, tokens so
         far)] and `spec_tokens` returns a draft per request; consulted when at most
@@ -57,15 +57,18 @@ class NativeEngine:
         `dtype`: the weights, activations and KV cache (float32 or bfloat16), see
         docs/precision.md. `weights_from`: an engine over the same model whose converted
         weights this one reads (refreshed when that engine publishes), e.g. the evaluator's.
+        `own_weights`: a copy of the weights even in the parameters' precision, refreshed
+        only at a publication (a trainer in another thread updates them in place).
         `step_mode`: how the single-token decode step runs (step.py): eager, graph (CUDA
         graphs per batch bucket), compile (torch.compile), or auto (graph on CUDA, else
         eager)."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        self.borrowed = weights_from is not None  # its owner refreshes the weights
         if weights_from is not None:
             self.decoder = weights_from.decoder
         else:
-            self.decoder = Decoder(model, dtype=dtype, device=device)
+            self.decoder = Decoder(model, dtype=dtype, device=device, own_weights=own_weights)
         d = self.decoder
         self.cache = KVCache(len(d.layers), d.kv_heads, d.head_dim, d.dtype, d.device)
         self.share_prefix, self.static_batch, self.version = share_prefix, static_batch, version
@@ -98,11 +101,19 @@ class NativeEngine:
         return self.admission.kv_budget_tokens
 
     @torch.inference_mode()
-    def publish(self, version: int) -> None:
-        """New weights are in place: later tokens carry `version`. Cached prompts of groups
-        with no running row are dropped (recomputed under the new weights when needed)."""
+    def take(self) -> Taken | None:
+        """The weights as they are now, converted for this engine and installed by a later
+        `publish(version, taken)` (None: the engine reads the parameters in place)."""
+        return None if self.borrowed else self.decoder.take()
+
+    @torch.inference_mode()
+    def publish(self, version: int, taken: Taken | None = None) -> None:
+        """New weights are in place (or in `taken`): later tokens carry `version`. Cached
+        prompts of groups with no running row are dropped (recomputed under the new
+        weights when needed). An engine reading another's weights only follows them."""
         self.version = version
-        self.stats.publish_seconds += self.decoder.refresh()
+        if not self.borrowed:
+            self.stats.publish_seconds += self.decoder.refresh(taken)
         self.admission.evict_idle_prefixes(keep=None)
         self.admission.follow_weights(self.decoder.generation)
 

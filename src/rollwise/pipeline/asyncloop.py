@@ -15,9 +15,13 @@ token's sampling and its training. `S = 0` is synchronous training exactly: the 
 of step k start after the update of step k-1, with the same prompts, seeds and weights.
 
 The stage objects must allow one rollout while another thread trains. With the Ray
-backend the engines are separate processes with their own copy of the weights. In one
-process the engine reads the learner's tensors, which an update changes in place, so the
-local backend runs only `S = 0` (build.check_run_config says so).
+backend or inference servers the engines are separate processes with their own copy of the
+weights. In one process the native engine keeps a copy of its own (`own_weights`, built so
+when S >= 1): the trainer's thread takes it right after an update (`RolloutStage.prepare`,
+while the tensors hold still) and the producer installs it between two steps' rollouts.
+The evaluator then has an engine of its own too, reading the trainer's tensors on the
+trainer's thread. The HF engine reads the model in place, so it runs only `S = 0`
+(build.check_run_config says so).
 
 With `S >= 1` a publication is handed over (`PublishHandoff`): the learner's step ends once
 the trainer has published, and the producer brings the rollout side to that version (a
@@ -97,6 +101,11 @@ class PublishHandoff:
         stages.learner = _Port(self.trainer, self._publish_trainer)
 
     def _leave(self, weights: Published) -> None:
+        # an engine in this process takes its copy of the weights here, on the trainer's
+        # thread: the next update changes the tensors in place while the rollouts run
+        prepare = getattr(self.rollout, "prepare", None)
+        if prepare is not None:
+            weights = prepare(weights)
         with self._cv:
             self._pending = weights
 

@@ -47,7 +47,7 @@ from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Episodes, Evaluator, Generated
 from rollwise.pipeline.stages import BuildInfo, Stages, encode_prompts
 from rollwise.rewards import RewardPool, RewardSpec
-from rollwise.system.runtime import configure as configure_runtime
+from rollwise.system.runtime import configure as configure_runtime, free_cores
 from rollwise.tasks import Task
 from rollwise.types import EncodedPrompt
 
@@ -76,7 +76,10 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
     # names, options and devices, before the model loads
     check_config(cfg, {name: fn for name, (fn, _) in (rewards or {}).items()})
     check_run_config(cfg)
-    configure_runtime(cfg.run.threads)
+    threads = cfg.run.threads
+    if not threads and overlaps_in_process(cfg):  # two sides compute at once: half each
+        threads = max(1, free_cores() // 2)
+    configure_runtime(threads)
     torch.manual_seed(cfg.run.seed)
     task = build_task(cfg)
     check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)
@@ -130,10 +133,14 @@ def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,
     if cfg.engine.name == "remote":  # the servers roll out; the evaluator has its own engine
         rollout, trainer = place_remote(cfg, policy, precision, train_pool.score, task)
         return rollout, trainer, [train_pool], None
+    own = overlaps_in_process(cfg)  # the engine keeps a copy the trainer cannot change
     rollout = build_rollout_stage(cfg, policy, precision, train_pool.score, task=task,
-                                  fetch=control.extra if task.env is None else None)
-    # the evaluator reads the rollout engine's weights
-    return rollout, build_learner(cfg, policy, precision), [train_pool], rollout.engine
+                                  fetch=control.extra if task.env is None else None,
+                                  own_weights=own)
+    # the evaluator reads the rollout engine's weights, unless that engine generates
+    # while the trainer trains: then it has its own, on the trainer's thread
+    return (rollout, build_learner(cfg, policy, precision), [train_pool],
+            None if own else rollout.engine)
 
 
 def _sft(cfg: Config, precision: PrecisionChoice) -> tuple[str, SftSettings] | None:
@@ -211,16 +218,24 @@ def check_run_config(cfg: Config) -> None:
     from rollwise.compose.config import ConfigError
 
     s, backend = cfg.schedule, cfg.run.backend
-    own_weights = backend == "ray" or cfg.engine.name == "remote"  # engines with their copy
-    if s.mode == "async" and s.max_staleness > 0 and not own_weights:
+    if overlaps_in_process(cfg) and cfg.engine.name != "native":
         raise ConfigError(
-            f"schedule.mode='async' with schedule.max_staleness={s.max_staleness} needs "
-            "run.backend='ray' or engine.name='remote': in one process the engine reads the "
-            "learner's weights, which an update changes in place while the next rollouts run "
-            "(max_staleness=0 runs locally, and is synchronous training)")
+            f"schedule.mode='async' with schedule.max_staleness={s.max_staleness} in one "
+            f"process needs engine.name='native' (now '{cfg.engine.name}'), which keeps its "
+            "own copy of the weights: the HF engine reads the learner's weights, which an "
+            "update changes in place while the next rollouts run (or use run.backend='ray' "
+            "or engine.name='remote'; max_staleness=0 is synchronous training)")
     if backend == "local" and cfg.ray.num_workers > 1:
         raise ConfigError(f"ray.num_workers={cfg.ray.num_workers} needs "
                           "run.backend='ray' (the local backend has one engine)")
+
+
+def overlaps_in_process(cfg: Config) -> bool:
+    """Rollouts of later steps run in this process while a step trains: asynchronous
+    training with staleness >= 1 and the engine here (not on Ray, not a server)."""
+    s = cfg.schedule
+    return (s.mode == "async" and s.max_staleness > 0 and cfg.run.backend == "local"
+            and cfg.engine.name != "remote")
 
 
 def run_steps(cfg: Config):

@@ -110,10 +110,22 @@ class RolloutStage:
     def version(self) -> int:
         return self.engine.version
 
+    def prepare(self, weights: Published) -> Published:
+        """A publication to be applied later (the asynchronous driver hands it over): on the
+        trainer's thread, while its tensors hold still, the engine takes its converted copy
+        of them (an engine that owns its weights), carried as the handle to `publish`."""
+        take = getattr(self.engine, "take", None)
+        taken = take() if take is not None else None
+        return weights if taken is None else replace(weights, handle=taken)
+
     def publish(self, weights: Published) -> None:
         """In one process the engine reads the trainer's tensors (or converts them, when
-        the rollout dtype differs): `weights` carries the version only."""
-        self.engine.publish(weights.version)
+        the rollout dtype differs): `weights` carries the version, and the engine's copy
+        when `prepare` took it."""
+        if weights.handle is not None:
+            self.engine.publish(weights.version, weights.handle)
+        else:
+            self.engine.publish(weights.version)
 
     def close(self) -> None:
         """Stop the scoring thread (started again if the stage is used after)."""
