@@ -17,6 +17,10 @@ Weights flow one way, by version: `trainer.publish(v)` returns a `Published` rec
 makes version v the one later tokens are sampled with. The driver keeps its own copy of
 the policy for evaluation and checkpoints; `trainer.sync_into(model)` brings it to the
 latest published version (nothing to do in one process, where it is the trained model).
+A rollout port in this process may also offer `prepare(weights) -> Published`: the
+asynchronous driver calls it on the trainer's thread when it hands a publication over, so
+that an engine keeping its own copy takes the weights while no update runs
+(rollout.RolloutStage.prepare); ports whose weights travel by handle have none.
 """
 
 from __future__ import annotations
