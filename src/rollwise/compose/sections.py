@@ -393,12 +393,19 @@ class LearnerConfig(Section):
         0.0, ge=0, description="MiB the update's activations may take beyond the weights, "
         "gradients and optimizer state: micro_batch_tokens and logprob_chunk shrink to fit "
         "(an estimate from the model's shape, docs/performance.md; 0: no budget).")
-    optimizer: Literal["adamw", "adamw-fused", "adamw8bit", "adamw4bit", "adamw-fp8"] = Field(
+    optimizer: Literal["adamw", "adamw-fused", "adamw8bit", "adamw4bit", "adamw-fp8",
+                       "adamw-bf16"] = Field(
         "adamw", description="'adamw' (torch's AdamW, default implementation), "
         "'adamw-fused' (its fused kernel: faster steps, float32 rounding apart), or "
         "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
         "bytes a parameter instead of 8 for the moments, slower steps on a CPU "
-        "(docs/performance.md, Memory).")
+        "(docs/performance.md, Memory), or 'adamw-bf16' (bfloat16 moments written with "
+        "stochastic rounding: 4 bytes instead of 8).")
+    master_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The trained weights' dtype. 'bfloat16': the model is loaded "
+        "in bfloat16, weights and gradients take half the memory, the optimizer writes them "
+        "with stochastic rounding, the learner computes in bfloat16 and a bfloat16 engine "
+        "reads the weights in place (no copy; docs/performance.md, Memory).")
 
 
 class EvalConfig(Section):

@@ -23,7 +23,9 @@ Memory: the output layer's log-probs are computed in chunks (learner/logprobs.py
 in the backward pass (one more forward pass of the decoder, and prompts are then not shared,
 since a recomputed layer cannot replay a key/value cache: 1.6-2x the quickstart's learner
 time, docs/performance.md); `memory_budget_mb` caps the micro-batch
-and the log-prob chunk so that the activations fit (learner/memory.py).
+and the log-prob chunk so that the activations fit (learner/memory.py). With `master_dtype`
+"bfloat16" the weights and gradients are bfloat16 (half the bytes; the engine then reads them
+in place) and the optimizer rounds its updates stochastically (learner/stochastic.py).
 """
 
 from __future__ import annotations
@@ -54,11 +56,20 @@ class Learner:
                  correction_fn: Callable | None = None, correction_options: dict | None = None,
                  skip_zero_advantage: bool = True, share_prompts: bool = True,
                  activation_checkpointing: bool = False, memory_budget_mb: float = 0.0,
-                 optimizer: str = "adamw"):
+                 optimizer: str = "adamw", master_dtype: str = "float32", seed: int = 0):
         """`share_prompts`: rows with the same prompt run it once per micro-batch (the
         same log-probs and gradients; learner/logprobs.py). `activation_checkpointing` and
         `memory_budget_mb` (0: none): the module docstring. `optimizer`: a name of
-        learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit or float8 moments)."""
+        learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit, float8 or bfloat16 moments).
+        `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so)
+        and its updates are rounded stochastically (learner/stochastic.py; `seed` seeds the
+        rounding)."""
+        if master_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"learner.master_dtype must be float32 or bfloat16, not "
+                             f"'{master_dtype}'")
+        stochastic = master_dtype == "bfloat16"
+        if stochastic:
+            model.to(torch.bfloat16)
         self.model = model
         if activation_checkpointing:
             enable_checkpointing(model)
@@ -66,7 +77,8 @@ class Learner:
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(optimizer, self.params, lr=lr, betas=betas,
-                                         weight_decay=weight_decay)
+                                         weight_decay=weight_decay, stochastic=stochastic,
+                                         seed=seed)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps))
         if memory_budget_mb > 0:

@@ -61,8 +61,10 @@ def state_mb(model, optimizer: str = "adamw") -> dict[str, float]:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     values = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # torch's AdamW keeps its moments in the parameters' dtype; torchao's at fixed bytes
-    moments = 2 * trained if optimizer in ("adamw", "adamw-fused") \
+    # AdamW keeps its moments in the parameters' dtype, float32 at least (bfloat16 masters:
+    # learner/stochastic.py); torchao's and adamw-bf16's at fixed bytes
+    moments = 2 * sum(p.numel() * max(p.element_size(), 4) for p in model.parameters()
+                      if p.requires_grad) if optimizer in ("adamw", "adamw-fused") \
         else values * MOMENT_BYTES[optimizer]
     return {"weights_mb": weights / 2**20, "grads_mb": trained / 2**20,
             "adamw_mb": moments / 2**20}

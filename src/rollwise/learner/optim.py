@@ -10,6 +10,14 @@
                block of 256 (2.03 bytes a parameter instead of 8)
     adamw4bit  torchao's AdamW4bit: 4-bit moments, blocks of 128 (1.06 bytes a parameter)
     adamw-fp8  torchao's AdamWFp8: float8 (e4m3) moments, blocks of 256 (2.03 bytes)
+    adamw-bf16   learner/stochastic.py's AdamW with bfloat16 moments written with
+                 stochastic rounding (4 bytes a parameter instead of 8)
+
+bfloat16 parameters (`learner.master_dtype = "bfloat16"`, `stochastic=True`) are written
+with stochastic rounding (learner/stochastic.py): `adamw` and `adamw-fused` then mean that
+module's AdamW with float32 moments, `adamw-bf16` its bfloat16 moments, and the torchao
+names torchao's own stochastic rounding (`bf16_stochastic_round`, its global random
+generator).
 
 torchao compiles one update kernel per parameter shape with torch.compile (a C++ compiler
 is needed on the CPU; the first step pays the compilation) and keeps a parameter's moments
@@ -22,7 +30,7 @@ torchao keeps quantized moments as tensor subclasses, which safetensors cannot w
 per quantized moment), `load_plain_state` builds them back, so a checkpoint holds the
 quantized codes themselves and a resumed run continues from the same state.
 
-Imports: torch; torchao only when a low-bit optimizer is asked for.
+Imports: torch, learner.stochastic; torchao only when a low-bit optimizer is asked for.
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ from typing import Any
 
 import torch
 
-OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit", "adamw4bit", "adamw-fp8")
+from rollwise.learner.stochastic import StochasticAdamW
+
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit", "adamw4bit", "adamw-fp8", "adamw-bf16")
 _TORCHAO_CLASSES = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit", "adamw-fp8": "AdamWFp8"}
 # bytes of optimizer state per trained value (both moments, block scales included)
 MOMENT_BYTES = {"adamw": 8.0, "adamw-fused": 8.0, "adamw8bit": 2.0 + 8 / 256,
-                "adamw4bit": 1.0 + 8 / 128, "adamw-fp8": 2.0 + 8 / 256}
+                "adamw4bit": 1.0 + 8 / 128, "adamw-fp8": 2.0 + 8 / 256, "adamw-bf16": 4.0}
 
 
 def _torchao_optim():
@@ -59,8 +69,14 @@ def fused_available(params: list[torch.Tensor]) -> bool:
 
 
 def build_optimizer(name: str, params: list[torch.Tensor], *, lr: float,
-                    betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
-    """The optimizer `name` (module docstring) over `params`."""
+                    betas: tuple[float, float], weight_decay: float,
+                    stochastic: bool = False, seed: int = 0) -> torch.optim.Optimizer:
+    """The optimizer `name` (module docstring) over `params`; `stochastic`: bfloat16
+    parameters are written with stochastic rounding (its random bits seeded by `seed`)."""
+    if name == "adamw-bf16" or (stochastic and name in ("adamw", "adamw-fused")):
+        moments = torch.bfloat16 if name == "adamw-bf16" else torch.float32
+        return StochasticAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
+                               moment_dtype=moments, seed=seed)
     if name in ("adamw", "adamw-fused"):
         fused = name == "adamw-fused" and fused_available(params)
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
@@ -68,7 +84,8 @@ def build_optimizer(name: str, params: list[torch.Tensor], *, lr: float,
     if name not in _TORCHAO_CLASSES:
         raise ValueError(f"unknown learner.optimizer '{name}'; choose one of {OPTIMIZERS}")
     cls = getattr(_torchao_optim(), _TORCHAO_CLASSES[name])
-    return cls(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    return cls(params, lr=lr, betas=betas, weight_decay=weight_decay,
+               bf16_stochastic_round=stochastic)
 
 
 def _is_subclass(value: Any) -> bool:

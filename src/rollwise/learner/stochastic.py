@@ -1,0 +1,133 @@
+"""bfloat16 master weights: stochastic rounding, and the AdamW that updates with it.
+
+With `learner.master_dtype = "bfloat16"` the policy's parameters (and so their gradients)
+are bfloat16: half the memory of float32 for each, and the rollout engine can read them in
+place. bfloat16 keeps 8 significant bits, so a weight w changes only when an update exceeds
+about |w| * 2^-9; the quickstart's AdamW updates (lr 2e-5 against weights of 0.01-0.1) are
+mostly below that and would vanish under round-to-nearest. Stochastic rounding keeps them
+in expectation: a float32 value x lying between the bfloat16 neighbours lo < x < hi becomes
+hi with probability (x - lo) / (hi - lo), else lo. On the bit pattern that is: add 16
+uniform random bits below bfloat16's last kept bit, then truncate the low 16 bits (a carry
+into the kept bits happens with exactly that probability).
+
+`StochasticAdamW` is AdamW (decoupled weight decay, bias corrections, as torch's) computing
+each update in float32 and writing every bfloat16 tensor it keeps (the parameter, and the
+moments when `moment_dtype` is bfloat16) with stochastic rounding. It walks each parameter in
+chunks of CHUNK values, so its float32 temporaries stay a few MiB whatever the parameter's
+size (the 135M model's tied embedding has 28M values). The random bits come from the
+optimizer's own generator, whose state is part of its state dict: a resumed run rounds
+exactly as an uninterrupted one.
+
+Imports: torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 1 << 18  # values per pass: 1 MiB of float32 per temporary, cache-sized
+_LOW16 = (1 << 16) - 1
+_HIGH16 = -(1 << 16)  # int32 mask keeping the sign, exponent and 7 mantissa bits
+
+
+def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `x` to bfloat16, rounded up or down at random with the probabilities that
+    keep the expectation (module docstring); written into `out` when given. A value can
+    round up into the next binade, as it should. Non-finite values are not guarded (a NaN
+    may come out as an infinity): the learner never steps on a non-finite gradient, and a
+    check would cost as much as the rounding."""
+    bits = torch.empty(x.shape, dtype=torch.int32, device=x.device)
+    bits.random_(0, 1 << 16, generator=generator)
+    bits.add_(x.contiguous().view(torch.int32)).bitwise_and_(_HIGH16)
+    rounded = bits.view(torch.float32)
+    if out is None:
+        return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
+    return out.copy_(rounded)
+
+
+class StochasticAdamW(torch.optim.Optimizer):
+    """AdamW whose bfloat16 parameters and moments are written with stochastic rounding.
+
+    `moment_dtype`: torch.float32 (8 bytes a parameter) or torch.bfloat16 (4 bytes; the
+    second moment's 1 - beta2 = 0.001 steps would vanish under round-to-nearest too).
+    float32 parameters are updated as by torch's AdamW (up to float32 rounding order).
+    """
+
+    def __init__(self, params, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 moment_dtype: torch.dtype = torch.float32, seed: int = 0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})
+        self.moment_dtype = moment_dtype
+        device = self.param_groups[0]["params"][0].device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
+        state["step"] += 1
+        step = int(state["step"])
+        beta1, beta2 = group["betas"]
+        lr, eps = group["lr"], group["eps"]
+        decay = 1 - lr * group["weight_decay"]
+        step_size = lr / (1 - beta1**step)
+        root_bc2 = (1 - beta2**step) ** 0.5
+        flat_p, flat_g = p.view(-1), p.grad.view(-1)
+        flat_m, flat_v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        for s in range(0, flat_p.numel(), CHUNK):
+            part = slice(s, s + CHUNK)
+            g = flat_g[part].float()
+            m, v = self._load(flat_m[part]), self._load(flat_v[part])
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = v.sqrt().div_(root_bc2).add_(eps)
+            w = self._load(flat_p[part])
+            if decay != 1:
+                w.mul_(decay)
+            w.addcdiv_(m, denom, value=-step_size)
+            for target, value in ((flat_m[part], m), (flat_v[part], v), (flat_p[part], w)):
+                self._store(target, value)
+
+    @staticmethod
+    def _load(t: torch.Tensor) -> torch.Tensor:
+        """A float32 view (float32 tensors: updated in place) or copy of `t`."""
+        return t if t.dtype == torch.float32 else t.float()
+
+    def _store(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        if target.dtype == torch.float32:
+            return  # `value` is `target` itself, already updated
+        if target.dtype == torch.bfloat16:
+            stochastic_round(value, self.generator, out=target)
+        else:
+            target.copy_(value)
+
+    def state_dict(self) -> dict:
+        return super().state_dict() | {"rounding_rng": self.generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        rng = state_dict.pop("rounding_rng", None)
+        super().load_state_dict(state_dict)
+        # torch casts loaded moments to their parameter's dtype: float32 moments of a
+        # bfloat16 parameter would lose their low bits, so they are put back as saved
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            state = self.state[params[int(index)]]
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved:
+                    state[key] = saved[key].to(state[key].device, self.moment_dtype)
+        if rng is not None:
+            self.generator.set_state(rng)
