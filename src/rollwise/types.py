@@ -4,15 +4,19 @@ Data flows one way: a `Sample` (a task instance) becomes a `Group` of `Trajector
 rollouts, each made from an engine's `Completion`), the trajectories are scored in place, and
 the learner receives a `Batch` of padded tensors built from the groups. No stage passes
 string-keyed dictionaries of tensors.
+
+`Trajectory` and `Group` also have a plain-data form (`to_plain` / `from_plain`: lists,
+dicts, numbers, text) that a checkpoint keeps: the asynchronous driver's batches collected
+ahead of training. Imports nothing of rollwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:  # the records stay importable without torch (tasks, rewards, observe)
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     import torch
 
@@ -187,6 +191,34 @@ class Trajectory:
                    logprobs=c.logprobs, versions=c.versions or [version] * len(c.token_ids),
                    finish_reason=c.finish_reason, text=decode(c.token_ids), timings=timings)
 
+    def to_plain(self) -> dict[str, Any]:
+        """Every field as plain data (a copy): the sample by its id (a resumed run takes it
+        from the task's prompts, so its meta need not be JSON), each issue as [kind, term,
+        message], turns as [start, end]. Python floats, so JSON keeps log-probs exactly."""
+        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        out["sample"] = self.sample.id
+        out["reward_errors"] = [[e.kind, e.term, e.message] for e in self.reward_errors]
+        return out
+
+    @classmethod
+    def from_plain(cls, data: Mapping[str, Any], sample: Sample) -> Trajectory:
+        """The trajectory `to_plain` wrote, of `sample` (the one its id names); fields
+        absent from `data` (written before they existed) take their defaults."""
+        return cls(**{**data, "sample": sample,
+                      "reward_errors": [RewardIssue(*e) for e in data.get("reward_errors", [])],
+                      "turns": [(a, b) for a, b in data.get("turns", [])]})
+
+
+def _plain(value: Any) -> Any:
+    """A copy made of lists, dicts and scalars (tuples become lists, as JSON has them)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        if not any(isinstance(v, list | tuple | dict) for v in value):
+            return list(value)  # token ids, log-probs, versions: flat, copied at once
+        return [_plain(v) for v in value]
+    return value
+
 
 @dataclass
 class Group:
@@ -204,6 +236,23 @@ class Group:
         """All rewards equal: every advantage is zero and the group teaches nothing."""
         r = self.rewards
         return max(r) - min(r) < 1e-9 if r else True
+
+    def to_plain(self) -> dict[str, Any]:
+        """The group as plain data (`Trajectory.to_plain`; the sample by its id)."""
+        return {"sample": self.sample.id,
+                "trajectories": [t.to_plain() for t in self.trajectories]}
+
+    @classmethod
+    def from_plain(cls, data: Mapping[str, Any], samples: Mapping[str, Sample]) -> Group:
+        """The group `to_plain` wrote; `samples`: every sample it may name, by id."""
+        def sample(sid: str) -> Sample:
+            if sid not in samples:
+                raise ValueError(f"sample {sid!r} is not among the task's prompts (did the "
+                                 "task change since the checkpoint?)")
+            return samples[sid]
+
+        return cls(sample(data["sample"]),
+                   [Trajectory.from_plain(t, sample(t["sample"])) for t in data["trajectories"]])
 
 
 @dataclass

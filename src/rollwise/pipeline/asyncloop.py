@@ -139,9 +139,26 @@ class PublishHandoff:
             self.stages.rollout_stage, self.stages.learner = self.rollout, self.trainer
 
 
+def take_kept(stages: Stages) -> list[Collected]:
+    """The batches the resumed checkpoint kept (collected for the steps after its own, in
+    step order), taken from `stages`, which hold them from `load_state_dict` until now;
+    the last one carries the stages' state, which is as of its collection."""
+    plain, stages.ahead = stages.ahead, []
+    if not plain:
+        return []
+    samples = stages.samples_by_id()
+    kept = [Collected.from_plain(b, samples) for b in plain]
+    kept[-1].state = json.loads(json.dumps(stages.stage_state()))
+    return kept
+
+
 class AsyncSteps:
     """The asynchronous step, in the shape of `loop.SyncSteps` (pass it to `loop.train`
-    with `functools.partial(AsyncSteps, max_staleness=S, stale_policy=...)`)."""
+    with `functools.partial(AsyncSteps, max_staleness=S, stale_policy=...)`).
+
+    A checkpoint of step k holds the batches already collected for the steps after k, as
+    they are (`checkpoint_state`); resumed from it, the learner trains those first, and
+    the producer goes on after the last of them."""
 
     def __init__(self, stages: Stages, run: Run, start: int, num_steps: int, *,
                  max_staleness: int = 1, stale_policy: str = "drop"):
@@ -154,13 +171,17 @@ class AsyncSteps:
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         self._cv = threading.Condition()
         self._version = start  # the policy version the learner has published
-        self._ready: dict[int, Collected] = {}
+        self._ready: dict[int, Collected] = dict(enumerate(take_kept(stages), start))
+        # the version a snapshot records, and the stages' state once the batch last
+        # trained was collected (what a snapshot holds while no later batch is ready)
+        self._trained, self._after = start, json.loads(json.dumps(stages.stage_state()))
         self._error: BaseException | None = None
         self._stop = False
         # S = 0 stays synchronous training exactly: the rollout side follows at once
         self._handoff = PublishHandoff(stages) if max_staleness > 0 else None
-        self._thread = threading.Thread(target=self._produce, args=(start,), daemon=True,
-                                        name="rollwise-producer")
+        run.hold_stage_state(self.checkpoint_state)
+        self._thread = threading.Thread(target=self._produce, args=(start + len(self._ready),),
+                                        daemon=True, name="rollwise-producer")
         self._thread.start()
 
     # -- the producer thread ---------------------------------------------------------------
@@ -177,8 +198,8 @@ class AsyncSteps:
                 timer = StepTimer()
                 batch = collect(self.stages, timer)
                 batch.phases = dict(timer.phases)
-                # the stages' state once this step's rollouts are taken: what a checkpoint
-                # after this step holds (the later steps' rollouts are generated again)
+                # the stages' state once this step's rollouts are taken: a checkpoint that
+                # keeps this batch (the last one ready) holds it
                 batch.state = json.loads(json.dumps(self.stages.stage_state()))
                 batch.control = dict(batch.control, rollout_started_version=version,
                                      weights_handoff_seconds=applied)
@@ -209,14 +230,29 @@ class AsyncSteps:
                                   self.stale_policy)
         extra = {f"rolled_{k}": v for k, v in before.items()} | {
             "queue_depth": depth, "stale_groups": removed}
-        batch.state = dict(batch.state or {}, version=step + 1)
+        self._trained, self._after = step + 1, batch.state
+        batch.state = None  # the snapshot's state is checkpoint_state's, at that instant
         record = learn(self.stages, self.run, step, self.num_steps, batch, timer, extra)
         with self._cv:
             self._version = step + 1
             self._cv.notify_all()
         return record
 
+    def checkpoint_state(self) -> dict:
+        """The stages' state a snapshot of the last trained step holds: the batches already
+        collected for the later steps (`ahead`, `Collected.to_plain`, in step order) and the
+        stages' state as of the last of them (sampler cursor, controller, rollout pools),
+        else as of the batch last trained. A collection in progress is not kept: a resumed
+        run asks for its groups again from that state (the same group numbers and seeds)."""
+        with self._cv:
+            ready = [self._ready[s] for s in sorted(self._ready)]
+        state = dict(ready[-1].state if ready else self._after, version=self._trained)
+        if ready:
+            state["ahead"] = [b.to_plain() for b in ready]
+        return state
+
     def close(self) -> None:
+        self.run.hold_stage_state(None)
         with self._cv:
             self._stop = True
             self._cv.notify_all()

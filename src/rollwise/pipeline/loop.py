@@ -13,13 +13,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from rollwise.rewards import RewardStats
 from rollwise.run.rundir import Run, StepTimer, defer_interrupt
 from rollwise.pipeline.stages import Stages
-from rollwise.types import Group
+from rollwise.types import Group, Sample
 
 
 class SyncSteps:
@@ -107,8 +108,31 @@ class Collected:
     control: dict[str, float]  # the allocator's and the rollout scheduler's figures
     requested: int  # trajectories the allocator asked for (every round)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
-    state: dict | None = None  # the stages' state before this step's rollouts (async)
+    state: dict | None = None  # async: the stages' state once this batch was collected
     stale_dropped: int = 0  # trajectories of `groups` over the staleness bound (async)
+
+    def to_plain(self) -> dict[str, Any]:
+        """The batch as plain data, for a checkpoint (the asynchronous driver's batches
+        collected ahead): groups as `Group.to_plain` writes them (samples by id), a kept
+        group that is one of `groups` by its index there. `state` is not part of it."""
+        where = {id(g): i for i, g in enumerate(self.groups)}
+        return {"groups": [g.to_plain() for g in self.groups],
+                "kept": [where[id(g)] if id(g) in where else g.to_plain()
+                         for g in self.kept],
+                "reward_stats": asdict(self.reward_stats), "control": dict(self.control),
+                "requested": self.requested, "phases": dict(self.phases),
+                "stale_dropped": self.stale_dropped}
+
+    @classmethod
+    def from_plain(cls, data: Mapping[str, Any], samples: Mapping[str, Sample]) -> Collected:
+        """The batch `to_plain` wrote (a kept group by index is that very group object,
+        as it was); `samples`: the task's prompts by id."""
+        groups = [Group.from_plain(g, samples) for g in data["groups"]]
+        kept = [groups[k] if isinstance(k, int) else Group.from_plain(k, samples)
+                for k in data["kept"]]
+        return cls(groups, kept, RewardStats(**data["reward_stats"]), dict(data["control"]),
+                   data["requested"], dict(data["phases"]),
+                   stale_dropped=data["stale_dropped"])
 
     def flow(self) -> dict[str, int]:
         """Where the requested trajectories went: requested = trained + filtered (by the

@@ -72,6 +72,10 @@ class Stages:
     kl_in_reward: float = 0.0  # KL coefficient of the KL-in-reward penalty (0: off)
     resources: list[Closeable] = field(default_factory=list)  # closed with the stages
     sft: tuple[str, SftSettings] | None = None  # demonstrations before RL (path, settings)
+    # batches a checkpoint kept, collected for the steps after its own (plain data,
+    # `loop.Collected.to_plain`), held from `load_state_dict` until the asynchronous
+    # driver takes them to train first (asyncloop.take_kept)
+    ahead: list[dict] = field(default_factory=list)
 
     @property
     def model(self):
@@ -176,22 +180,32 @@ class Stages:
         return self.learner.state_dict(), self.stage_state()
 
     def stage_state(self) -> dict:
-        """What changes between steps besides the weights and the optimizer (plain data)."""
+        """What changes between steps besides the weights and the optimizer (plain data);
+        `ahead` too while the batches a checkpoint kept wait to be trained."""
         state = {"sampler": self.sampler.state_dict(), "version": self.rollout_stage.version,
                  "control": self.control.state_dict()}
         rollout = self.rollout_stage.state_dict()
         if rollout is not None:  # partial pools, the reuse cache, the group numbering
             state["rollout"] = rollout
+        if self.ahead:
+            state["ahead"] = self.ahead
         return state
 
     def load_state_dict(self, learner_state: dict, state: dict) -> None:
-        """A checkpoint: the driver's model already holds its weights (load_checkpoint)."""
+        """A checkpoint: the driver's model already holds its weights (load_checkpoint).
+        Its batches collected ahead (`ahead`, asynchronous runs) wait in `self.ahead`; the
+        sampler, controller and rollout state are as of the last of them."""
         self.learner.load_state_dict(learner_state)
         self.sampler.load_state_dict(state["sampler"])
         if "control" in state:  # checkpoints before adaptive allocation have none
             self.control.load_state_dict(state["control"])
         self.rollout_stage.load_state_dict(state.get("rollout"))
+        self.ahead = list(state.get("ahead", []))
         self.rollout_stage.publish(self.learner.publish(state["version"]))
+
+    def samples_by_id(self) -> dict[str, Sample]:
+        """The training prompts' samples by id: what a kept batch's groups name."""
+        return {p.sample.id: p.sample for p in self.sampler.items}
 
     def close(self) -> None:
         """Stop what the stages hold: the ports' threads, processes and actors, the pools."""

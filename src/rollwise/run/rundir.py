@@ -28,6 +28,7 @@ import shutil
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,14 +179,22 @@ class Run:
         self._snap_id = 0
         self._last_save = time.monotonic()
         self.config_changes: dict[str, list] = {}  # --resume --allow-changes: recorded
+        self._stage_state: Callable[[], dict] | None = None  # see hold_stage_state
 
     # -- snapshots and checkpoints ---------------------------------------------------------
+    def hold_stage_state(self, source: Callable[[], dict] | None) -> None:
+        """A driver that rolls out ahead of training (the asynchronous one) says what the
+        stages' state is at a snapshot: `source()` (its batches collected ahead and the
+        stages' state as of the last of them), called at each snapshot until None."""
+        self._stage_state = source
+
     def snapshot(self, stages, stage_state: dict | None = None) -> None:
         """Remember the state after the last completed step (see the module docstring).
-        `stage_state`: the stages' state as of that step when they have moved on since
-        (the asynchronous driver's rollouts of later steps)."""
+        `stage_state`: the stages' state as of that step when they have moved on since;
+        else the driver's (`hold_stage_state`), else the stages' own."""
         if stage_state is None:
-            stage_state = stages.stage_state()
+            source = self._stage_state or stages.stage_state
+            stage_state = source()
         self._snap_id += 1
         self._snap = Snapshot(step=self.step, counters=dict(self.counters),
                               summary=copy.deepcopy(self.summary),
@@ -216,8 +225,10 @@ class Run:
             self.health.load_state_dict(snap.health)
             dropped = self.store.delete_after(self.step)
             self.metrics.drop_after(self.step)
+            kept = len(snap.stages.get("ahead", []))
             self.echo(f"resumed from {path} (step {self.step}; {dropped} trajectories of "
-                      "unfinished steps dropped and regenerated)")
+                      "unfinished steps dropped and regenerated"
+                      + (f"; {kept} batches collected ahead kept)" if kept else ")"))
             return
         # nothing to continue from: start over, dropping every partial record
         self.store.delete_after(0)
