@@ -15,7 +15,11 @@ one small step per update and the timings compare like with like:
   (`learner.share_prompts = false`, the behaviour before prompts were shared);
 - named with `--variant` only: `bf16-autocast+tis+fused`: torch's fused AdamW kernel
   (`learner.optimizer = "adamw-fused"`); `+fp8`, `+8bit`: torchao's AdamW with float8 or
-  8-bit moments; `+ckpt`: activation checkpointing (learner/optim.py, docs/performance.md).
+  8-bit moments; `+ckpt`: activation checkpointing (learner/optim.py, docs/performance.md);
+  `bf16-master+tis`: bfloat16 weights and gradients with stochastic rounding
+  (`learner.master_dtype = "bfloat16"`, float32 moments), `+bf16m` with bfloat16 moments
+  (`learner.optimizer = "adamw-bf16"`), `+ckpt` with activation checkpointing too. They
+  train a bfloat16 copy of the model, made once before the first update.
 
 Memory: the peak resident set of the process in each phase (`peak_rss_mb`: sampling the
 batch, scoring it, and each variant's update, the optimizer's state included), and what
@@ -36,19 +40,25 @@ import typer
 from rollwise.bench.common import load_workload, median, print_table, save_results, say, synchronize
 from rollwise.system.runtime import rss_peak, trim_heap
 
-# name: (precision, correction, share prompts, optimizer, activation checkpointing)
-VARIANTS: dict[str, tuple[str, str, bool, str, bool]] = {
-    "float32": ("float32", "none", True, "adamw", False),
-    "float32-unshared": ("float32", "none", False, "adamw", False),
-    "float32+tis": ("float32", "tis", True, "adamw", False),
-    "bf16-autocast": ("bf16-autocast", "none", True, "adamw", False),
-    "bf16-autocast+tis": ("bf16-autocast", "tis", True, "adamw", False),
+# name: (precision, correction, share prompts, optimizer, activation checkpointing,
+#        master dtype)
+Variant = tuple[str, str, bool, str, bool, str]
+VARIANTS: dict[str, Variant] = {
+    "float32": ("float32", "none", True, "adamw", False, "float32"),
+    "float32-unshared": ("float32", "none", False, "adamw", False, "float32"),
+    "float32+tis": ("float32", "tis", True, "adamw", False, "float32"),
+    "bf16-autocast": ("bf16-autocast", "none", True, "adamw", False, "float32"),
+    "bf16-autocast+tis": ("bf16-autocast", "tis", True, "adamw", False, "float32"),
 }
-MORE_VARIANTS: dict[str, tuple[str, str, bool, str, bool]] = {  # run when named (--variant)
-    "bf16-autocast+tis+fused": ("bf16-autocast", "tis", True, "adamw-fused", False),
-    "bf16-autocast+tis+fp8": ("bf16-autocast", "tis", True, "adamw-fp8", False),
-    "bf16-autocast+tis+8bit": ("bf16-autocast", "tis", True, "adamw8bit", False),
-    "bf16-autocast+tis+ckpt": ("bf16-autocast", "tis", True, "adamw", True),
+MORE_VARIANTS: dict[str, Variant] = {  # run when named (--variant)
+    "bf16-autocast+tis+fused": ("bf16-autocast", "tis", True, "adamw-fused", False, "float32"),
+    "bf16-autocast+tis+fp8": ("bf16-autocast", "tis", True, "adamw-fp8", False, "float32"),
+    "bf16-autocast+tis+8bit": ("bf16-autocast", "tis", True, "adamw8bit", False, "float32"),
+    "bf16-autocast+tis+ckpt": ("bf16-autocast", "tis", True, "adamw", True, "float32"),
+    "bf16-master+tis": ("bf16-autocast", "tis", True, "adamw", False, "bfloat16"),
+    "bf16-master+tis+bf16m": ("bf16-autocast", "tis", True, "adamw-bf16", False, "bfloat16"),
+    "bf16-master+tis+bf16m+ckpt": ("bf16-autocast", "tis", True, "adamw-bf16", True,
+                                   "bfloat16"),
 }
 KNOWN = VARIANTS | MORE_VARIANTS
 
@@ -104,16 +114,22 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
     policy, pairs = load_workload(model, prompts, seed, device, split="pairs")
     peaks: dict[str, dict[str, float]] = {}
     batch, reward = _batch(policy, pairs, n, max_tokens, seed, peaks)
+    models = {"float32": policy.model}
+    if any(KNOWN[v][5] == "bfloat16" for v in variants):
+        import copy
+
+        models["bfloat16"] = copy.deepcopy(policy.model).to(torch.bfloat16)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(reps):
         order = list(variants[rep % len(variants):] + variants[: rep % len(variants)])
         for v in order:
-            precision, correction, share, optimizer, ckpt = KNOWN[v]
-            learner = Learner(policy.model, loss_fn=policy_losses["ppo"],
+            precision, correction, share, optimizer, ckpt, master = KNOWN[v]
+            model = models[master]
+            learner = Learner(model, loss_fn=policy_losses["ppo"],
                               loss_options={"aggregation": "token-mean"}, lr=1e-5,
                               precision=precision, skip_zero_advantage=False,
                               share_prompts=share, optimizer=optimizer,
-                              activation_checkpointing=ckpt,
+                              activation_checkpointing=ckpt, master_dtype=master,
                               correction_fn=None if correction == "none" else corrections[
                                   correction], correction_options={"cap": 2.0})
             with _phase(peaks, f"learner {v}"):
@@ -124,7 +140,7 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
                 times[v].append(time.perf_counter() - start)
                 del learner
             if ckpt:  # the model is shared by every variant
-                disable_checkpointing(policy.model)
+                disable_checkpointing(model)
             if progress:
                 progress(f"rep {rep + 1}/{reps} {v}: {times[v][-1]:.2f}s")
     base = median(times[variants[0]])
