@@ -66,13 +66,20 @@ def reward(json: JsonOpt = None,
 @bench_app.command("alloc")
 def alloc(model: ModelOpt = "tiny", json: JsonOpt = None,
           allocator: Annotated[list[str] | None, typer.Option(
-              help="Allocators to compare with uniform (repeatable; default all).")] = None,
+              help="Allocators to compare with uniform, alone or with options, e.g. "
+              "aero:n0=2,max_n=8 (repeatable; default all).")] = None,
           seeds: Annotated[int, typer.Option(help="Seeds per allocator (medians).")] = 1,
           steps: Annotated[int, typer.Option(help="Training steps per run.")] = 120,
-          eval_every: Annotated[int, typer.Option(help="Held-out evaluation interval.")] = 10,
+          eval_every: Annotated[int, typer.Option(help="Held-out evaluation interval.")] = 5,
           target: Annotated[float | None, typer.Option(
               help="Target held-out accuracy (default: target-frac x uniform's best).")] = None,
           target_frac: Annotated[float, typer.Option(help="See --target.")] = 0.9,
+          train_prompts: Annotated[int, typer.Option(
+              help="Training prompts (an epoch every pool/16 steps).")] = 512,
+          eval_prompts: Annotated[int, typer.Option(help="Held-out prompts.")] = 400,
+          smooth: Annotated[int, typer.Option(
+              help="The target is crossed when the mean of this many evaluations reaches it "
+              "(1: the first evaluation above it).")] = 3,
           set_: Annotated[list[str] | None, typer.Option(
               "--set", help="Config override for every run, e.g. control.explore=0.25.")] = None,
           threads: ThreadsOpt = 1):
@@ -81,7 +88,8 @@ def alloc(model: ModelOpt = "tiny", json: JsonOpt = None,
 
     b4.command(model=model, json=json, allocator=allocator, seeds=seeds, steps=steps,
                eval_every=eval_every, target=target, target_frac=target_frac, set_=set_,
-               threads=threads)
+               threads=threads, train_prompts=train_prompts, eval_prompts=eval_prompts,
+               smooth=smooth)
 
 
 @bench_app.command("agents")
@@ -286,5 +294,26 @@ def serve(model: ModelOpt = "tiny", json: JsonOpt = None,
 
     bs.command(model=model, json=json, prompts=prompts, clients=clients, max_tokens=max_tokens,
                reps=reps, natural=natural, device=device, threads=threads)
+
+@bench_app.command("sync")
+def sync(config: Annotated[Path | None, typer.Argument(
+             help="Training config: model, threads, engine.remote_* (default "
+             "configs/quickstart.toml).")] = None,
+         json: JsonOpt = None,
+         dtype: Annotated[list[str] | None, typer.Option(
+             help="The server's --dtype (repeatable; default bfloat16).")] = None,
+         file_dtype: Annotated[list[str] | None, typer.Option(
+             help="server (the precision the server says) and/or float32 (repeatable; "
+             "default server).")] = None,
+         syncs: Annotated[int, typer.Option(help="Syncs timed per variant, after the "
+                                            "first publication.")] = 12,
+         set_: Annotated[list[str] | None, typer.Option(
+             "--set", help="Config override, e.g. run.threads=1.")] = None):
+    """Weight sync to a local `rollwise serve`: trainer write, server read, write into the
+    model, conversion, per phase; median, p90, max."""
+    from rollwise.bench import sync as bs
+
+    bs.command(config=config, json=json, dtype=dtype, file_dtype=file_dtype, syncs=syncs,
+               set_=set_)
 
 bench_app.command("tree")(tree_command)  # B-tree: its options are declared in bench/tree.py

@@ -4,7 +4,10 @@
         ranked by the posterior mass outside the dead zones p < ε and p > 1 − ε; a group
         whose outcomes all agree is "rescued" with m more rollouts, m the fewest for which
         the posterior's minority outcome shows up with probability ≥ ρ; groups still
-        all-equal are rejected (not trained on). Unspent budget is not spent.
+        all-equal are rejected (not trained on). Unspent budget is not spent. With
+        `min_mix` > 0, a chosen prompt (outside the exploration floor) whose posterior
+        predicts a mixed first-round group with probability below min_mix is skipped: it
+        costs nothing this step and is re-checked when the floor or the decay brings it back.
 - xrpo  XRPO's allocator (arXiv 2510.06672): base_n rollouts per prompt, then the rest of
         the budget in chunks of `delta` to the prompt whose Student-t confidence half-width
         h(n) = t_{1−α/2, n−1}·s/√n shrinks most, plus a UCB bonus c·√(ln T / n).
@@ -75,6 +78,22 @@ def t_quantile(prob: float, df: int) -> float:
     return (lo + hi) / 2
 
 
+def mixed_chance(a: float, b: float, n: int) -> float:
+    """The probability that n rollouts of a prompt with success rate p ~ Beta(a, b) do not all
+    agree: 1 − E[p^n] − E[(1 − p)^n], with E[p^n] = Π_{i<n} (a + i)/(a + b + i).
+
+    >>> round(mixed_chance(1.0, 1.0, 4), 4), round(mixed_chance(9.0, 1.0, 4), 4)
+    (0.6, 0.3063)
+    """
+    if n < 2:
+        return 0.0
+    all_pass = all_fail = 1.0
+    for i in range(n):
+        all_pass *= (a + i) / (a + b + i)
+        all_fail *= (b + i) / (a + b + i)
+    return max(0.0, 1.0 - all_pass - all_fail)
+
+
 def _rate(group: Group) -> float:
     """The group's pass rate, rewards clipped to [0, 1]."""
     return sum(min(max(r, 0.0), 1.0) for r in group.rewards) / len(group.rewards)
@@ -87,13 +106,15 @@ class Aero:
     name = "aero"
 
     def __init__(self, n0: int = 0, max_n: int = 16, rescue_prob: float = 0.5,
-                 dead_eps: float = 0.05, candidates: float = 2.0):
+                 dead_eps: float = 0.05, candidates: float = 2.0, min_mix: float = 0.0):
         if n0 < 0 or max_n < 2 or not 0.0 < rescue_prob < 1.0 or not 0.0 < dead_eps < 0.5:
             raise ValueError(f"aero: n0={n0}, max_n={max_n}, rescue_prob={rescue_prob}, "
                              f"dead_eps={dead_eps}: expected n0 >= 0, max_n >= 2, "
                              "0 < rescue_prob < 1, 0 < dead_eps < 0.5")
+        if not 0.0 <= min_mix < 1.0:
+            raise ValueError(f"aero: min_mix={min_mix}: expected 0 <= min_mix < 1")
         self.n0, self.max_n, self.rescue_prob = n0, max_n, rescue_prob
-        self.dead_eps, self.candidates = dead_eps, candidates
+        self.dead_eps, self.candidates, self.min_mix = dead_eps, candidates, min_mix
         self._first, self._rescued = 0, False
 
     def live_mass(self, ctl: Controller, pid: str) -> float:
@@ -115,6 +136,14 @@ class Aero:
         self._rescued = False
         chosen = ctl.choose(ctl.prompts_per_step, lambda pid: self.live_mass(ctl, pid),
                             self.candidates)
+        if self.min_mix > 0:
+            # the floor's prompts are always rolled out: they are how a skipped prompt's
+            # posterior gets fresh evidence
+            floor = ctl.floor_slots(ctl.prompts_per_step)
+            kept = [p for p in chosen[floor:]
+                    if mixed_chance(*ctl.book.counts(p[0].id, ctl.step), self._first)
+                    >= self.min_mix]
+            chosen = chosen[:floor] + kept or chosen[:1]  # a step trains on something
         return _requests(chosen, self._first)
 
     def observe(self, ctl: Controller, groups: list[Group]) -> list[Request]:
