@@ -7,6 +7,7 @@ with its old weights and version."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -56,11 +57,12 @@ def test_full_weights_replace_the_model_and_move_the_version(served, tmp_path):
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["version"] == 3 and out["aborted"] == 0
-    assert set(out["phases"]) >= {"pause_s", "load_s", "resume_s"}
+    assert set(out["phases"]) >= {"pause_s", "load_s", "write_s", "publish_s", "resume_s"}
     after = served_greedy(url, ids)
     assert after["choices"][0]["token_ids"] == want and after["version"] == 3
     assert after["choices"][0]["versions"] == [3] * 16
-    assert httpx.get(url + "/v1/weights", headers=AUTH).json() == {"version": 3, "updating": False}
+    assert httpx.get(url + "/v1/weights", headers=AUTH).json() == {
+        "version": 3, "updating": False, "dtype": "float32"}
     assert httpx.get(url + "/version", headers=AUTH).json()["version"] == 3
 
 
@@ -170,3 +172,146 @@ def test_an_update_out_of_time_fails_within_it(served, tmp_path, monkeypatch):
     r = update(url, path=str(tmp_path / "w"), version=1, timeout_s=0.3)
     assert time.monotonic() - start < 1.2 and r.status_code == 504
     assert server.engine.version == 0
+
+
+# -- publications in the server's precision (learner/files.py, rollout/remote.py) -----------
+
+@pytest.fixture
+def served_bf16():
+    """(base url, policy, server): a tiny server whose engine samples in bfloat16 (its
+    model stays float32; the engine keeps a converted copy)."""
+    from rollwise.models import load_policy
+    from rollwise.serve import RolloutServer
+
+    torch.set_num_threads(1)
+    policy = load_policy("tiny")
+    engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids, max_num_seqs=8,
+                          dtype="bfloat16")
+    server = RolloutServer(policy, engine, name="tiny", api_key=KEY)
+    try:
+        yield server.start(), policy, server
+    finally:
+        server.stop()
+
+
+def publish_twice(url: str, model) -> dict:
+    """`model` published as a remote run publishes (version 0 when the run is built, 1
+    after its first update), each loaded through the remote rollout port: what version 1
+    was written as (the dtypes, the files' tensor dtypes, the bytes)."""
+    from rollwise.learner.files import WeightsPublisher
+    from rollwise.rewards import RewardStats
+    from rollwise.rollout.remote import RemoteRollout
+    from rollwise.rollout.servers import Servers
+
+    servers = Servers([url], timeout_s=30, retries=0)
+    servers.client.headers.update(AUTH)
+    port = RemoteRollout(servers, SamplingParams(), lambda ids: "",
+                         lambda trajs: RewardStats(0, 0, 0, 0.0), seed=0)
+    publisher = WeightsPublisher(model)
+    try:
+        port.publish(publisher.publish(0))
+        second = publisher.publish(1)
+        port.publish(second)
+        return {"written": sorted(second.handle.folders), "nbytes": second.nbytes,
+                "files": file_dtypes(str(second.handle))}
+    finally:
+        port.close()
+        publisher.close()
+
+
+def file_dtypes(folder: str) -> set[str]:
+    import json
+    import struct
+    from pathlib import Path
+
+    raw = (Path(folder) / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def greedy_in(model, ids: list[int], dtype: str, n: int = 16) -> list[int]:
+    engine = NativeEngine(model, eos_token_ids=[2], max_num_seqs=8, dtype=dtype)
+    return engine.generate([ids], SamplingParams(temperature=0, max_tokens=n,
+                                                 ignore_eos=True))[0].token_ids
+
+
+def test_a_bfloat16_server_gets_bfloat16_weights_and_the_in_process_tokens(served_bf16):
+    url, policy, _ = served_bf16
+    ids = policy.encode(PROMPT)
+    other = build_model(seed=1)
+    want = greedy_in(other, ids, "bfloat16", 24)
+    assert served_greedy(url, ids, 24)["choices"][0]["token_ids"] != want
+    out = publish_twice(url, other)
+    assert out["written"] == ["bfloat16"] and out["files"] == {"BF16"}
+    after = served_greedy(url, ids, 24)
+    assert after["version"] == 1 and after["choices"][0]["token_ids"] == want  # bit for bit
+    f32 = sum(t.numel() * 4 for n, t in other.state_dict().items() if n != "lm_head.weight")
+    assert out["nbytes"] == f32 // 2
+    assert all(p.dtype == torch.float32 for p in other.parameters())  # the trainer's own
+
+
+def test_a_float32_server_still_gets_float32_weights(served):
+    url, policy, _ = served
+    ids = policy.encode(PROMPT)
+    other = build_model(seed=1)
+    want = greedy_in(other, ids, "float32", 24)
+    out = publish_twice(url, other)
+    assert out["written"] == ["float32"] and out["files"] == {"F32"}
+    after = served_greedy(url, ids, 24)
+    assert after["version"] == 1 and after["choices"][0]["token_ids"] == want
+
+
+def test_the_bfloat16_folder_is_half_the_float32_one(tmp_path):
+    from rollwise.learner.files import WeightsPublisher
+
+    model = build_model(seed=1)
+    publisher = WeightsPublisher(model, str(tmp_path))
+    try:
+        first = publisher.publish(0)
+        sizes = {d: (Path(first.handle.folder(d)) / "model.safetensors").stat().st_size
+                 for d in ("float32", "bfloat16")}
+        assert first.nbytes == 2 * first.handle.nbytes["bfloat16"]
+        assert abs(2 * sizes["bfloat16"] - sizes["float32"]) < 2 * 8192  # headers aside
+        assert sizes["bfloat16"] < 0.51 * sizes["float32"]
+        later = publisher.publish(1)  # written in what was asked for last: both
+        assert later.nbytes == first.nbytes * 3 // 2 and len(later.handle.folders) == 2
+    finally:
+        publisher.close()
+
+
+def test_a_bfloat16_server_out_of_time_serves_on_and_wants_full_weights(served_bf16, tmp_path,
+                                                                        monkeypatch):
+    """The engine samples from its own copy: a full update that fails part-way keeps no
+    copy of the old values, the server serves the old tokens and version, an adapter is
+    refused until full weights load."""
+    url, policy, server = served_bf16
+    ids = policy.encode(PROMPT)
+    before = served_greedy(url, ids)["choices"][0]["token_ids"]
+    build_model(seed=1).save_pretrained(tmp_path / "w")
+    stage = WeightStore.stage
+
+    def slow_reads(self, folder):
+        staged = stage(self, folder)
+        staged.writes = [(name, lambda read=read: (time.sleep(0.05), read())[1])
+                         for name, read in staged.writes]
+        return staged
+
+    monkeypatch.setattr(WeightStore, "stage", slow_reads)
+    r = update(url, path=str(tmp_path / "w"), version=1, timeout_s=0.5)
+    assert r.status_code == 504 and "serves on from its copy" in r.json()["error"]["message"]
+    after = served_greedy(url, ids)
+    assert after["choices"][0]["token_ids"] == before and after["version"] == 0
+    assert server.weights.torn
+    monkeypatch.setattr(WeightStore, "stage", stage)
+    (tmp_path / "a").mkdir()
+    out, inp = policy.model.model.layers[0].self_attn.q_proj.weight.shape
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    save_file({name + "A.weight": torch.zeros(4, inp), name + "B.weight": torch.zeros(out, 4)},
+              tmp_path / "a" / "adapter_model.safetensors")
+    (tmp_path / "a" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    r = update(url, path=str(tmp_path / "a"), version=2)
+    assert r.status_code == 409 and "full weights first" in r.json()["error"]["message"]
+    r = update(url, path=str(tmp_path / "w"), version=3)
+    assert r.status_code == 200 and not server.weights.torn
+    assert served_greedy(url, ids)["choices"][0]["token_ids"] == greedy_in(
+        build_model(seed=1), ids, "bfloat16")

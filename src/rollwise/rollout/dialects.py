@@ -1,10 +1,11 @@
 """What the remote rollout port says to each kind of inference server (`engine.remote_kind`):
 how a group's generation request is written and its answer read, and how a server is
-told to load a folder of weights. One class per kind, the same two methods each:
+told to load a folder of weights. One class per kind, the same three methods each:
 
     generate(servers, ask) -> Answer   one request per group (the samples an update
                                        aborted: sent again from where they stopped)
     load(servers, i, folder, version, sync) -> (phases, seconds)   server i takes a folder
+    weights_dtype(servers, i) -> str   the precision to publish server i's weights in
 
 `rollwise`  `rollwise serve`: POST /v1/generate, POST /v1/weights/update (docs/serve.md).
 `vllm`      vLLM's OpenAI server: POST /v1/completions with token ids; weights through its
@@ -150,6 +151,15 @@ class RollwiseDialect:
                for c in choices]
         return out, version, answer.get("timings")
 
+    @staticmethod
+    def weights_dtype(servers: Servers, index: int) -> str | None:
+        """The precision server `index` samples in (GET /v1/weights; float32 when it does
+        not say); None when it cannot be asked now."""
+        try:
+            return str(servers.get(index, "/v1/weights").get("dtype", "float32"))
+        except (RemoteError, ValueError, AttributeError):
+            return None
+
     def load(self, servers: Servers, index: int, folder: str, version: int, sync: str):
         body = {"path": folder, "version": version, "mode": sync,
                 "timeout_s": servers.timeout_s}
@@ -166,6 +176,11 @@ class VLLMDialect:
 
     name = "vllm"
     method = "rollwise_load_folder"  # VLLMFolderWeights' method, called by /collective_rpc
+
+    @staticmethod
+    def weights_dtype(servers: Servers, index: int) -> str:
+        """float32: the server's precision is not asked; its loader converts what it reads."""
+        return "float32"
 
     def generate(self, servers: Servers, ask: Ask) -> Answer:
         s = ask.sampling
@@ -233,6 +248,7 @@ class SGLangDialect:
     its remaining budget."""
 
     name = "sglang"
+    weights_dtype = staticmethod(VLLMDialect.weights_dtype)  # float32, as vLLM's
 
     def generate(self, servers: Servers, ask: Ask) -> Answer:
         s = ask.sampling

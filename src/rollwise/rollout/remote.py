@@ -8,7 +8,10 @@ and `derive_seed`), so with the same weights a remote run on `rollwise serve` sa
 exactly what a local one samples (vLLM and SGLang take the seeds but sample their own way).
 The driver scores each group as its answer arrives (`ScoreAhead`, as the in-process stage
 does). Weights arrive as folders the trainer wrote (`Published.handle`); `publish` has
-every server load one.
+every server load one. A handle with a `folder(dtype)` method (learner/files.py's
+`Publication`) is asked for each server's folder in the precision that server samples in
+(the dialect's `weights_dtype`, asked once per server), so a bfloat16 server loads half
+the bytes; a plain path is loaded by every server as it is.
 
 Imports the engine's sampling settings and seeds, the reward counts, the rollout figures
 and the records; HTTP lives in rollout/servers.py, each kind of server's requests and
@@ -84,6 +87,7 @@ class RemoteRollout:
         self._figures: list[RolloutFigures] = []
         self._calls = _Calls()
         self._load_s = 0.0  # the last weight update's round trip (the slowest server's)
+        self._dtypes: list[str | None] = [None] * len(servers.urls)  # each server's, once known
         self._phases: dict[str, float] = {}  # and its phases, as the servers timed them
 
     @property
@@ -183,10 +187,11 @@ class RemoteRollout:
         if weights.handle is None:
             raise RemoteError("the trainer published no weights folder for the servers "
                               "(engine.name='remote' needs the trainer that writes one)")
+        folders = self._folders(weights.handle)
         # threads of its own: generate calls in flight (asynchronous driver) may hold the pool
         with ThreadPoolExecutor(len(self.servers.urls)) as pool:
             answers = list(pool.map(lambda i: self.dialect.load(
-                self.servers, i, str(weights.handle), weights.version, self.sync),
+                self.servers, i, folders[i], weights.version, self.sync),
                 range(len(self.servers.urls))))
         phases: dict[str, float] = {}
         for named, _ in answers:  # the slowest server's seconds in each phase it names
@@ -197,6 +202,18 @@ class RemoteRollout:
             self._weights = weights
             self._load_s = max(self._load_s, max(seconds for _, seconds in answers))
             self._phases = phases
+
+    def _folders(self, handle) -> list[str]:
+        """The folder each server loads: the handle's folder in the precision the server
+        samples in (asked until it answers; unknown: float32, which any server rounds),
+        or the handle's one path."""
+        folder = getattr(handle, "folder", None)
+        if folder is None:
+            return [str(handle)] * len(self.servers.urls)
+        for i, known in enumerate(self._dtypes):
+            if known is None:
+                self._dtypes[i] = self.dialect.weights_dtype(self.servers, i)
+        return [folder(dtype) for dtype in self._dtypes]
 
     def server_versions(self) -> list[int]:
         """The version each server samples with now (GET /v1/weights: `rollwise serve`

@@ -8,10 +8,15 @@ An update runs in phases, each bounded by the request's `timeout_s`:
     pause  the engine's driver thread stops stepping at the next step boundary; with mode
            "abort" the running requests are aborted (their tokens so far come back with
            finish_reason "abort"), with "pause" they keep their KV cache and wait
-    load   the weights are written into the model's tensors in place, one at a time, and the
-           engine publishes `version` (a converted bfloat16/int8 copy is refreshed), so every
-           later token carries it
+    load   the weights are written into the model's tensors in place, one at a time
+           (`write_s`), and the engine publishes `version` (`publish_s`: a converted
+           bfloat16/int8 copy is refreshed, cached prompts are dropped), so every later
+           token carries it
     resume the driver steps again
+
+The answer times each: `read_s`, `pause_s`, `load_s` (= `write_s` + `publish_s`) and
+`resume_s`. GET /v1/weights and GET /version say the precision the engine samples in
+(`dtype`): a trainer writes the weights it publishes in it (learner/files.py).
 
 A failure in any phase is an error naming it (4xx: the folder; 504: out of time; 500: the
 engine), after which the server serves on with its old weights and version.
@@ -59,12 +64,13 @@ def add_weight_routes(app: FastAPI, server: ServerState, auth: list) -> None:
 
     @app.get("/v1/weights", dependencies=auth)
     async def weights():
-        return {"version": server.engine.version, "updating": lock.locked()}
+        return {"version": server.engine.version, "updating": lock.locked(),
+                "dtype": _dtype(server.engine)}
 
     @app.get("/version", dependencies=auth)
     async def served_version():
         return {"version": server.engine.version, "rollwise": _package_version(),
-                "model": server.name}
+                "model": server.name, "dtype": _dtype(server.engine)}
 
 
 async def _update(server: ServerState, body: WeightsBody) -> dict:
@@ -75,31 +81,52 @@ async def _update(server: ServerState, body: WeightsBody) -> dict:
     gate = _Gate()
     queued = time.perf_counter()
 
-    def paused(engine) -> tuple[int, float, float, float]:
-        """On the driver thread, between steps: (aborted, pause_s, load_s, when done)."""
+    def paused(engine) -> tuple[int, float, float, float, float]:
+        """On the driver thread, between steps: (aborted, pause_s, write_s, publish_s,
+        when done)."""
         aborted = server.driver.abort_live() if body.mode == "abort" else 0
         loading = time.perf_counter()
-        server.weights.apply(staged, deadline)
+        server.weights.apply(staged, deadline, keep_old=not _own_copy(engine))
+        written = time.perf_counter()
         try:
             engine.publish(body.version)
         except Exception as e:
             raise UpdateError("load", f"the new weights are in place but publishing them "
                               f"failed ({type(e).__name__}: {e})", status=500) from e
         done = time.perf_counter()
-        return aborted, loading - queued, done - loading, done
+        return aborted, loading - queued, written - loading, done - written, done
 
     fut = asyncio.wrap_future(server.driver.call(gate.guard(paused)))
     try:
-        aborted, pause_s, load_s, done = await asyncio.wait_for(
+        aborted, pause_s, write_s, publish_s, done = await asyncio.wait_for(
             asyncio.shield(fut), max(deadline - time.monotonic(), 0))
     except TimeoutError:
         if gate.cancel():
+            staged.close()
             raise UpdateError("pause", f"the engine did not reach a step boundary within "
                               f"timeout_s={body.timeout_s}", status=504) from None
-        aborted, pause_s, load_s, done = await fut  # writing: it stops at the deadline itself
-    return {"version": server.engine.version, "aborted": aborted,
-            "phases": {"read_s": read_s, "pause_s": pause_s, "load_s": load_s,
+        # writing: it stops at the deadline itself
+        aborted, pause_s, write_s, publish_s, done = await fut
+    return {"version": server.engine.version, "aborted": aborted, "dtype": _dtype(server.engine),
+            "phases": {"read_s": read_s, "pause_s": pause_s, "load_s": write_s + publish_s,
+                       "write_s": write_s, "publish_s": publish_s,
                        "resume_s": time.perf_counter() - done}}
+
+
+def _dtype(engine) -> str:
+    """The precision `engine` samples in, as torch names it ('float32' when it does not
+    say; an int8 engine says float32: it converts from float32 weights)."""
+    return str(getattr(engine, "dtype", "float32")).removeprefix("torch.")
+
+
+def _own_copy(engine) -> bool:
+    """Whether `engine` samples from its own converted copy of the weights (so the model's
+    tensors are not what it serves until it publishes), not from the model's tensors."""
+    decoder = getattr(engine, "decoder", None)
+    if decoder is None or getattr(engine, "borrowed", False) or getattr(decoder, "shared", True):
+        return False
+    # int8 reads the float32 norms and embedding in place unless it owns its weights
+    return not getattr(decoder, "int8", False) or bool(getattr(decoder, "own_weights", False))
 
 
 async def _within(work, deadline: float, phase: str):

@@ -3,6 +3,15 @@ checks a folder against the model without touching it (names, shapes, the adapte
 settings), `apply` writes the staged weights into the model's own tensors in place, one
 tensor at a time, and puts back what it wrote if it fails or runs out of time.
 
+Full weights are read from the file's memory map straight into the model's tensors (one
+copy, converting when the file's dtype is not the model's: a bfloat16 file into a float32
+model is exact). Putting back needs a copy of the old values, as large as the model; it is
+taken only where the old values are still what is served: when the engine reads the
+model's tensors in place. An engine that samples from its own converted copy (bfloat16,
+int8) keeps serving the old weights from that copy until it publishes again, so a full
+update that fails part-way there keeps no copy: the model's tensors are left partly
+written (`torn`), the server serves on from its copy, and only full weights may load next.
+
 A folder holds either full weights (`model.safetensors`, named as the served model's
 state_dict; a tied tensor, such as an output layer sharing the embedding, may be left out)
 or a LoRA adapter as peft saves it (`adapter_model.safetensors` + `adapter_config.json`).
@@ -15,7 +24,9 @@ Imports torch and safetensors only.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +55,11 @@ class Staged:
     kind: str  # "full" | "adapter"
     writes: list[tuple[str, object]] = field(default_factory=list)
     source: str = ""
+    files: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # kept open
+
+    def close(self) -> None:
+        """The files the values are read from let go (their memory maps unmapped)."""
+        self.files.close()
 
 
 class WeightStore:
@@ -54,6 +70,7 @@ class WeightStore:
         self.model = model
         self.tensors: dict[str, torch.Tensor] = {}
         self.bases: dict[str, torch.Tensor] = {}
+        self.torn = False  # a full update failed part-way with no copy of the old values
 
     # -- stage: read and check, the model untouched ----------------------------------------
 
@@ -76,23 +93,26 @@ class WeightStore:
                           f"{ADAPTER} with {ADAPTER_CONFIG} (a LoRA adapter)")
 
     def _stage_full(self, file: Path) -> Staged:
-        with safe_open(file, "pt") as f:
+        staged = Staged("full", source=str(file))
+        _read_ahead(file)
+        try:
+            # opened once and memory-mapped: each value is a view of the file, copied
+            # straight into the model's tensor when written
+            f = staged.files.enter_context(safe_open(file, "pt"))
             shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-        for name, shape in shapes.items():
-            self._check(file.name, name, shape)
-        covered = {self.tensors[n].data_ptr() for n in shapes}
-        missing = [n for n, t in self.tensors.items() if n not in shapes
-                   and t.data_ptr() not in covered]
-        if missing:
-            raise UpdateError("load", f"{file.name} lacks {len(missing)} of the served model's "
-                              f"tensors, e.g. '{missing[0]}'")
-
-        def reader(name):
-            def read():
-                with safe_open(file, "pt") as f:
-                    return f.get_tensor(name)
-            return read
-        return Staged("full", [(n, reader(n)) for n in shapes], str(file))
+            for name, shape in shapes.items():
+                self._check(file.name, name, shape)
+            covered = {self.tensors[n].data_ptr() for n in shapes}
+            missing = [n for n, t in self.tensors.items() if n not in shapes
+                       and t.data_ptr() not in covered]
+            if missing:
+                raise UpdateError("load", f"{file.name} lacks {len(missing)} of the served "
+                                  f"model's tensors, e.g. '{missing[0]}'")
+        except BaseException:
+            staged.close()
+            raise
+        staged.writes = [(n, lambda n=n: f.get_tensor(n)) for n in shapes]
+        return staged
 
     def _check(self, where: str, name: str, shape: list[int]) -> None:
         if name not in self.tensors:
@@ -104,6 +124,10 @@ class WeightStore:
                               f"model's is {want}")
 
     def _stage_adapter(self, path: Path) -> Staged:
+        if self.torn:
+            raise UpdateError("load", "the last full-weights update failed part-way, so the "
+                              "model's tensors are not the base an adapter merges into; load "
+                              "full weights first", status=409)
         scale = _adapter_scale(json.loads((path / ADAPTER_CONFIG).read_text()))
         with safe_open(path / ADAPTER, "pt") as f:
             pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -135,32 +159,64 @@ class WeightStore:
     # -- apply: in place, undone on failure ------------------------------------------------
 
     @torch.no_grad()
-    def apply(self, staged: Staged, deadline: float) -> None:
+    def apply(self, staged: Staged, deadline: float, keep_old: bool = True) -> None:
         """Write `staged` into the model, one tensor at a time; past `deadline` (monotonic
-        seconds) or on any error, put back what was written and raise UpdateError."""
+        seconds) or on any error, put back what was written and raise UpdateError. With
+        `keep_old` False (the engine samples from its own copy of the weights) full
+        weights are written with no copy of the old values, and a failure leaves the
+        model `torn` instead. The staged files are let go either way."""
+        keep = keep_old or staged.kind != "full"  # an adapter's old values are its base
         old: list[tuple[str, torch.Tensor]] = []
+        written = 0
         try:
             for name, value in staged.writes:
                 if time.monotonic() > deadline:
-                    raise UpdateError("load", f"timed out after writing {len(old)} of "
+                    raise UpdateError("load", f"timed out after writing {written} of "
                                       f"{len(staged.writes)} tensors", status=504)
                 target = self.tensors[name]
                 new = value()
-                old.append((name, target.detach().to("cpu", copy=True)))
+                if keep:
+                    old.append((name, target.detach().to("cpu", copy=True)))
+                written += 1
                 target.copy_(new)
         except Exception as e:
-            for name, before in reversed(old):
-                self.tensors[name].copy_(before)
-            if isinstance(e, UpdateError):
-                raise UpdateError(e.phase, f"{e.reason}; the old weights were put back",
-                                  e.status) from None
-            raise UpdateError("load", f"{type(e).__name__}: {e}; the old weights were put "
-                              "back", status=500) from e
+            raise self._undo(e, old, keep, written) from (
+                None if isinstance(e, UpdateError) else e)
+        finally:
+            staged.close()
         if staged.kind == "full":
             self.bases.clear()
+            self.torn = False
         else:
             for name, before in old:
                 self.bases.setdefault(name, before)
+
+    def _undo(self, e: Exception, old: list[tuple[str, torch.Tensor]], kept: bool,
+              written: int) -> UpdateError:
+        """After `e` part-way: the old values put back (`kept`), else the model marked
+        torn when anything was written; the UpdateError saying which."""
+        for name, before in reversed(old):
+            self.tensors[name].copy_(before)
+        if kept or not written:
+            after = "the old weights were put back"
+        else:
+            self.torn = True
+            after = ("the engine serves on from its copy of the old weights; the next "
+                     "update must hold full weights")
+        if isinstance(e, UpdateError):
+            return UpdateError(e.phase, f"{e.reason}; {after}", e.status)
+        return UpdateError("load", f"{type(e).__name__}: {e}; {after}", status=500)
+
+
+def _read_ahead(file: Path) -> None:
+    """Ask the kernel to start reading `file` into the page cache now, while the server
+    still serves (a file the trainer just wrote on this machine is there already)."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no posix_fadvise
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def _adapter_scale(config: dict) -> float:
