@@ -2,12 +2,17 @@
 
     python scripts/crash_harness.py --kills 300 [--seed 0] [--config configs/tiny_arith.toml]
         [--set key=value ...] [--workdir /tmp/rollwise-crash] [--user-code]
+        [--mode sync|async|both]
 
     python scripts/crash_harness.py --pair --kills 120 [--mode sync|async|both]
         [--sync-delay 0.3] [--timeout 20]
 
 --user-code: the run also scores with a verifier and a group term (with an option) named
 by import path, as a user's own code is (rollwise.pipeline.crashtest.USER_CODE).
+
+--mode: the run synchronous (the default without --pair), asynchronous in one process
+(max_staleness 1: compared in what timing cannot change, and every batch a checkpoint
+kept must be trained as kept), or the kills split between the two.
 
 --pair: a trainer and a `rollwise serve` process, either killed (rollwise/pipeline/
 crashpair.py); prints the kills per victim and phase. The servers are forked by this
@@ -119,7 +124,8 @@ def run_pair(args, workdir: Path) -> int:
               f"compared, {report.resumes} trainer resumes, {report.server_restarts} server "
               f"restarts, {len(report.errors)} trainer errors from a dead server (longest "
               f"{longest[0]:.1f}s of engine.remote_timeout_s={args.timeout:g}), "
-              f"{report.outlived} trainers finished without it, reference run "
+              f"{report.outlived} trainers finished without it, {report.kept} kept batches "
+              f"trained as checkpointed, reference run "
               f"{report.reference_seconds:.1f}s, total {time.perf_counter() - start:.0f}s: "
               + ("all equal to the uninterrupted run" if report.ok else "FAILED"))
         print(report.table())
@@ -145,7 +151,8 @@ def main() -> int:
                         help="also score with a verifier and a group term by import path")
     parser.add_argument("--pair", action="store_true",
                         help="kill a trainer and an inference server in turn")
-    parser.add_argument("--mode", choices=["sync", "async", "both"], default="both")
+    parser.add_argument("--mode", choices=["sync", "async", "both"], default=None,
+                        help="default: both with --pair, else sync")
     parser.add_argument("--sync-delay", type=float, default=0.3,
                         help="--pair: seconds added to each weight load on the server")
     parser.add_argument("--timeout", type=float, default=20.0,
@@ -153,20 +160,32 @@ def main() -> int:
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rollwise-crash-"))
     if args.pair:
+        args.mode = args.mode or "both"
         return run_pair(args, workdir)
-    user = USER_CODE if args.user_code else []
-    cfg = load_config(args.config, [f"run.output_dir='{workdir}'", *TINY, *user,
-                                    *args.overrides])
-    start = time.perf_counter()
-    report = crash_test(cfg, kills=args.kills, seed=args.seed, workdir=workdir,
-                        sigint_share=args.sigint_share, log=print)
-    print(f"{report.kills} kills ({report.sigkills} SIGKILL, {report.sigints} SIGINT), "
-          f"{report.resumes} resumes, {report.rounds} runs compared, reference run "
-          f"{report.reference_seconds:.1f}s, total {time.perf_counter() - start:.0f}s: "
-          + ("all equal to the uninterrupted run" if report.ok else "FAILED"))
-    for failure in report.failures:
-        print("  " + failure)
-    return 0 if report.ok else 1
+    return run_local(args, workdir)
+
+
+def run_local(args, workdir: Path) -> int:
+    """The harness in one process: the kills split over the modes; 0 when all is well."""
+    modes = ["sync", "async"] if args.mode == "both" else [args.mode or "sync"]
+    ok = True
+    for i, mode in enumerate(modes):
+        kills = args.kills // len(modes) + (i < args.kills % len(modes))
+        user = USER_CODE if args.user_code else []
+        cfg = load_config(args.config, [f"run.output_dir='{workdir / mode}'", *TINY, *user,
+                                        *MODES[mode], *args.overrides])
+        start = time.perf_counter()
+        report = crash_test(cfg, kills=kills, seed=args.seed + i, workdir=workdir / mode,
+                            sigint_share=args.sigint_share, log=print)
+        ok = ok and report.ok
+        print(f"{mode}: {report.kills} kills ({report.sigkills} SIGKILL, {report.sigints} "
+              f"SIGINT), {report.resumes} resumes, {report.rounds} runs compared, "
+              f"{report.kept} kept batches trained as checkpointed, reference run "
+              f"{report.reference_seconds:.1f}s, total {time.perf_counter() - start:.0f}s: "
+              + ("all equal to the uninterrupted run" if report.ok else "FAILED"))
+        for failure in report.failures:
+            print("  " + failure)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ trainer that died, or stopped with the server's error, is resumed. A round ends 
 trainer finishes its run.
 
 Checked: every finished run equals the reference (`crashtest.compare`: metrics to float32
-rounding, trajectories stored exactly once, summary counters); every trainer stopped by a
-dead server exits within `engine.remote_timeout_s` with an error naming the server and the
-route (the phase: `/v1/generate` rollouts, `/v1/weights/update` the weight sync); no
-trainer outlives a dead server by more than that.
+rounding, trajectories stored exactly once, summary counters; an asynchronous run only in
+what timing cannot change, with `crashtest.async_checks`); every batch a checkpoint kept
+(collected ahead) is trained as it was kept (`crashtest.check_kept`); every trainer stopped
+by a dead server exits within `engine.remote_timeout_s` with an error naming the server
+and the route (the phase: `/v1/generate` rollouts, `/v1/weights/update` the weight sync);
+no trainer outlives a dead server by more than that.
 
 The trainer does not wait for a restarted server: a server that comes back holds other
 weights (its base model) and none of the requests in flight, so the trainer stops with
@@ -50,7 +52,16 @@ from pathlib import Path
 import httpx
 
 from rollwise.compose.config import Config, load_config
-from rollwise.pipeline.crashtest import child_exit, compare, read_run, wait_exit
+from rollwise.pipeline.crashtest import (
+    async_checks,
+    check_kept,
+    child_exit,
+    compare,
+    kept_batches,
+    read_run,
+    timing_free,
+    wait_exit,
+)
 
 SERVER = [sys.executable, "-m", "rollwise", "serve", "--model", "tiny", "--threads", "1",
           "--port", "{port}"]
@@ -74,6 +85,7 @@ class PairReport:
     errors: list[tuple[float, str]] = field(default_factory=list)  # (seconds, message)
     outlived: int = 0  # server kills the trainer finished without needing it again
     reference_seconds: float = 0.0  # the reference's start to its last checkpoint
+    kept: int = 0  # batches collected ahead that resumed trainers trained as checkpointed
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -277,6 +289,7 @@ class _Harness:
         self.sync_share, self.generate_share, self.soft_share = shares
         self.timeout_s = cfg.engine.remote_timeout_s
         self.report = PairReport()
+        self.kept: dict[int, list[tuple]] = {}  # this round's (crashtest.kept_batches)
 
     def _config(self, name: str) -> Config:
         cfg = self.cfg.model_copy(deep=True)
@@ -302,26 +315,20 @@ class _Harness:
         only what timing cannot change), and within the staleness bound."""
         if not (root / "summary.json").is_file():
             return [f"{root.name}: the run did not finish"]
-        exact = self.cfg.schedule.mode == "sync"
-        out = compare(root, reference, rel=REL, exact=exact)
+        exact = timing_free(self.cfg)
+        out = compare(root, reference, rel=REL, exact=exact) + check_kept(root, self.kept)
+        self.report.kept += len(self.kept)
         if exact:
             return out
-        bound = self.cfg.schedule.max_staleness
-        for r in read_run(root)[0]:
-            if r["kind"] != "train":
-                continue
-            if r["traj_requested"] != r["traj_trained"] + r["traj_filtered"] \
-                    + r["traj_stale_dropped"]:
-                out.append(f"{root.name}: step {r['step']} lost requested trajectories")
-            if any(r.get(f"staleness_hist_{k}", 0) for k in (*range(bound + 1, 3), "3plus")):
-                out.append(f"{root.name}: step {r['step']} trained tokens over the bound")
-        return out
+        return out + async_checks(root, self.cfg.schedule.max_staleness)
 
     def round(self, root: Path) -> None:
         """Kill and resume (and restart the server) until a trainer finishes `root`."""
         cfg = self._config(root.name)
+        self.kept = {}
         for life in range(4 * self.kills + 10):  # every life but the last is killed
             self.report.resumes += life > 0
+            self.kept.update(kept_batches(root))  # what this trainer goes on from
             code = self._life(cfg, root)
             if code is None or code == 0:
                 return

@@ -16,6 +16,14 @@ child resumes it; a round ends when a child finishes. Each finished round must h
 - a `config.toml` that reads back as the run's config (each resumed child checks it, as
   `--resume` reads it: import-path keys included).
 
+An asynchronous run (`schedule.mode = "async"`, `max_staleness >= 1`) mixes policy versions
+by timing, so there only what timing cannot change is compared (`compare(exact=False)`:
+records, every trajectory once with the reference's prompt, the counters) and checked
+(`async_checks`: each step's requested trajectories all accounted for, none trained beyond
+the bound); and every batch a checkpoint kept (collected ahead of its step) that a resumed
+child went on from must be stored for its step exactly as the checkpoint held it
+(`kept_batches`, `check_kept`: tokens, log-probs, versions).
+
 With `USER_CODE` in its overrides the run plugs in users' own code by import path: a
 verifier and a group term with an option, both below (tests/test_crash.py does;
 `scripts/crash_harness.py --user-code`).
@@ -35,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollwise.compose.config import Config, load_config, to_toml
+from rollwise.learner.checkpoint import list_checkpoints
+from rollwise.replay import TrajectoryStore
 from rollwise.rewards.group import group_reward
 from rollwise.types import Sample, Trajectory
 
@@ -70,6 +80,7 @@ class CrashReport:
     rounds: int = 0
     resumes: int = 0
     reference_seconds: float = 0.0
+    kept: int = 0  # batches collected ahead that resumed runs trained as checkpointed
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -81,6 +92,7 @@ def _child(stages, root: Path, cfg: Config, resume: bool) -> None:
     """Body of a forked child: train `root` to the end; never returns."""
 
     def work() -> None:
+        from rollwise.pipeline.build import run_steps
         from rollwise.pipeline.loop import train
         from rollwise.run.rundir import Run
 
@@ -90,7 +102,8 @@ def _child(stages, root: Path, cfg: Config, resume: bool) -> None:
         run = Run(root, resume=resume, echo=lambda s: None, config_toml=to_toml(cfg),
                   keep_checkpoints=cfg.run.keep_checkpoints)
         train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
-              eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every)
+              eval_before=cfg.eval.before, checkpoint_every=cfg.run.checkpoint_every,
+              steps=run_steps(cfg))
 
     child_exit(work, root.parent / f"{root.name}.error")
 
@@ -192,6 +205,55 @@ def compare(root: Path, reference: tuple[list[dict], list[tuple], dict],
     return out
 
 
+def timing_free(cfg: Config) -> bool:
+    """Whether two uninterrupted runs of `cfg` equal each other exactly: not so for an
+    asynchronous run with staleness (the version each step's rollouts start from)."""
+    return cfg.schedule.mode == "sync" or cfg.schedule.max_staleness == 0
+
+
+def async_checks(root: Path, bound: int) -> list[str]:
+    """What must hold of an asynchronous run whatever the timing ([] if it does): each
+    step's requested trajectories trained, filtered or dropped as stale, none trained
+    with a token more than `bound` versions old."""
+    out = []
+    for r in read_run(root)[0]:
+        if r["kind"] != "train":
+            continue
+        if r["traj_requested"] != r["traj_trained"] + r["traj_filtered"] \
+                + r["traj_stale_dropped"]:
+            out.append(f"{root.name}: step {r['step']} lost requested trajectories")
+        if any(r.get(f"staleness_hist_{k}", 0) for k in (*range(bound + 1, 3), "3plus")):
+            out.append(f"{root.name}: step {r['step']} trained tokens over the bound")
+    return out
+
+
+def kept_batches(root: Path) -> dict[int, list[tuple]]:
+    """The batches collected ahead that the run's latest checkpoint keeps (what a resumed
+    run trains first), by the step each is recorded as: each trajectory's (prompt id,
+    response ids, log-probs, versions), in order."""
+    saved = list_checkpoints(root / "checkpoints")
+    if not saved:
+        return {}
+    state = json.loads((saved[-1] / "state.json").read_text())
+    return {state["step"] + 1 + i: [(t["sample"], t["response_ids"], t["logprobs"],
+                                     t["versions"]) for g in b["groups"]
+                                    for t in g["trajectories"]]
+            for i, b in enumerate(state["stages"].get("ahead", []))}
+
+
+def check_kept(root: Path, kept: dict[int, list[tuple]]) -> list[str]:
+    """Each kept batch stored for its step exactly as its checkpoint held it ([] if so);
+    trajectories regenerated for stale groups may follow it."""
+    store = TrajectoryStore(root / "trajectories.sqlite")
+    try:
+        stored = {step: [(t.sample.id, t.response_ids, t.logprobs, t.versions)
+                         for t in store.load_step(step)] for step in kept}
+    finally:
+        store.close()
+    return [f"{root.name}: step {step} did not train the batch its checkpoint kept"
+            for step, rows in kept.items() if stored[step][:len(rows)] != rows]
+
+
 def crash_test(cfg: Config, kills: int, seed: int, workdir: Path,
                sigint_share: float = 0.3, log=lambda s: None) -> CrashReport:
     """Run the harness (see the module docstring) with at least `kills` kills."""
@@ -208,11 +270,15 @@ def crash_test(cfg: Config, kills: int, seed: int, workdir: Path,
     report.reference_seconds = time.perf_counter() - start
     reference = read_run(ref_root)
     rng = random.Random(seed)
+    exact = timing_free(cfg)
     while report.kills < kills:
         report.rounds += 1
         root = workdir / f"round_{report.rounds}"
-        _crash_round(stages, root, cfg, rng, report, sigint_share, kills)
-        failures = compare(root, reference)
+        kept = _crash_round(stages, root, cfg, rng, report, sigint_share, kills)
+        failures = compare(root, reference, exact=exact) + check_kept(root, kept)
+        if not exact:
+            failures += async_checks(root, cfg.schedule.max_staleness)
+        report.kept += len(kept)
         report.failures += failures
         log(f"round {report.rounds}: {report.kills} kills so far"
             + (f"; FAILED: {failures}" if failures else ""))
@@ -220,10 +286,13 @@ def crash_test(cfg: Config, kills: int, seed: int, workdir: Path,
 
 
 def _crash_round(stages, root: Path, cfg: Config, rng: random.Random, report: CrashReport,
-                 sigint_share: float, kills: int) -> None:
-    """Kill and resume one run directory until a child finishes it."""
-    resume = False
+                 sigint_share: float, kills: int) -> dict[int, list[tuple]]:
+    """Kill and resume one run directory until a child finishes it; the batches kept by
+    the checkpoints resumed from (`kept_batches`, the latest for each step)."""
+    resume, kept = False, {}
     while True:
+        if resume:
+            kept.update(kept_batches(root))
         pid = _spawn(stages, root, cfg, resume=resume)
         report.resumes += resume
         code = None
@@ -241,9 +310,9 @@ def _crash_round(stages, root: Path, cfg: Config, rng: random.Random, report: Cr
         if code is None:
             code = wait_exit(pid)
         if code == 0:
-            return
+            return kept
         if code == 1:
             error = (root.parent / f"{root.name}.error").read_text()
             report.failures.append(f"{root.name}: a run failed: {error[:300]}")
-            return
+            return {}
         resume = True

@@ -16,7 +16,9 @@ block Ctrl-C waits for) the run takes a `snapshot` (a `records.Snapshot`) of eve
 that changes between steps and is not the weights or the optimizer: RNG states, data
 cursor, allocator and rollout-pool state, counters. Every checkpoint, the periodic ones and the one written on
 Ctrl-C, is written from the latest snapshot, so an interrupt in the middle of step N+1
-(prompts drawn, RNG advanced) still saves exactly the state after step N.
+(prompts drawn, RNG advanced) still saves exactly the state after step N. A driver that
+rolls out ahead (the asynchronous one) supplies the stages' part itself (`hold_stage_state`):
+the batches it already collected for the later steps, and the state as of the last of them.
 """
 
 from __future__ import annotations
