@@ -64,9 +64,9 @@ def serve_zygote(delay_s: float, argv: list[str]) -> None:
 
     apply = WeightStore.apply
 
-    def slow_apply(self, staged, deadline):
+    def slow_apply(self, *args, **kwargs):
         time.sleep(delay_s)
-        return apply(self, staged, deadline)
+        return apply(self, *args, **kwargs)
 
     WeightStore.apply = slow_apply
     load_policy("tiny")  # the model's libraries too

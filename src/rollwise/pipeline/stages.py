@@ -176,9 +176,6 @@ class Stages:
             self.evaluator.publish(version)
 
     # -- state -----------------------------------------------------------------------------
-    def state_dict(self) -> tuple[dict, dict]:
-        return self.learner.state_dict(), self.stage_state()
-
     def stage_state(self) -> dict:
         """What changes between steps besides the weights and the optimizer (plain data);
         `ahead` too while the batches a checkpoint kept wait to be trained."""

@@ -247,7 +247,9 @@ class Run:
         folder = self.root / "checkpoints"
         if self._saved == (step, snap.id):  # nothing happened since it was written
             return folder / f"step_{step}"
-        learner_state, _ = stages.state_dict()
+        # the stages' own state is the snapshot's: read now, an asynchronous producer
+        # could be changing the rollout pools
+        learner_state = stages.learner.state_dict()
         path = save_checkpoint(folder, stages.model, learner_state, snap.to_json(),
                                keep=self.keep, rng=snap.rng)
         self._saved, self._last_save = (step, snap.id), time.monotonic()
