@@ -57,7 +57,8 @@ def _variant(model, servers, dialect, *, want: str, syncs: int, first_version: i
     from rollwise.learner.files import WeightsPublisher
 
     publisher = WeightsPublisher(model, root)
-    rows = []
+    asked = dialect.weights_dtype(servers, 0) if want == "server" else want  # asked once,
+    rows = []  # as RemoteRollout asks each server once
     try:
         for k in range(syncs + 1):
             if k:
@@ -65,8 +66,7 @@ def _variant(model, servers, dialect, *, want: str, syncs: int, first_version: i
             version = first_version + k
             start = time.perf_counter()
             published = publisher.publish(version)
-            asked = dialect.weights_dtype(servers, 0) if want == "server" else want
-            folder = published.handle.folder(asked)
+            folder = published.handle.folder(asked)  # what RemoteRollout.publish asks
             written = time.perf_counter()
             phases, http_s = dialect.load(servers, 0, folder, version, sync)
             total = time.perf_counter() - start
@@ -129,7 +129,9 @@ def run(cfg, *, dtypes: list[str], file_dtypes: list[str], syncs: int, log_dir: 
         with serve_for(cfg, dtype=dtype, log=log_dir / f"serve-{dtype}.log") as url:
             servers = Servers([url], timeout_s=cfg.engine.remote_timeout_s, retries=0)
             try:
-                for want in file_dtypes:
+                says = dialect.weights_dtype(servers, 0)
+                # 'server' and 'float32' are one variant on a float32 server: run it once
+                for want in dict.fromkeys(says if w == "server" else w for w in file_dtypes):
                     progress(f"server {dtype}, files {want}")
                     rows = _variant(policy.model, servers, dialect, want=want, syncs=syncs,
                                     first_version=version, root=cfg.engine.remote_weights_dir,
