@@ -144,22 +144,24 @@ def test_a_bad_folder_is_an_error_naming_the_phase_and_nothing_changes(served, t
     assert after["choices"][0]["token_ids"] == before and after["version"] == 0
 
 
+def slow_reads(monkeypatch) -> None:
+    """Every tensor an update writes read 50 ms late (the tiny model: ~40 tensors)."""
+    stage = WeightStore.stage
+
+    def slowed(self, folder):
+        staged = stage(self, folder)
+        staged.writes = [(name, lambda read=read: (time.sleep(0.05), read())[1])
+                         for name, read in staged.writes]
+        return staged
+    monkeypatch.setattr(WeightStore, "stage", slowed)
+
+
 def test_an_update_out_of_time_fails_within_it(served, tmp_path, monkeypatch):
     url, policy, server = served
     ids = policy.encode(PROMPT)
     before = served_greedy(url, ids)["choices"][0]["token_ids"]
     build_model(seed=1).save_pretrained(tmp_path / "w")
-    stage = WeightStore.stage
-
-    def slow_reads(self, folder):
-        staged = stage(self, folder)
-
-        def slow(read):
-            return lambda: (time.sleep(0.05), read())[1]
-        staged.writes = [(name, slow(read)) for name, read in staged.writes]
-        return staged
-
-    monkeypatch.setattr(WeightStore, "stage", slow_reads)  # ~40 tensors x 50 ms
+    slow_reads(monkeypatch)
     start = time.monotonic()
     r = update(url, path=str(tmp_path / "w"), version=1, timeout_s=0.5)
     assert time.monotonic() - start < 2.0
@@ -289,14 +291,7 @@ def test_a_bfloat16_server_out_of_time_serves_on_and_wants_full_weights(served_b
     before = served_greedy(url, ids)["choices"][0]["token_ids"]
     build_model(seed=1).save_pretrained(tmp_path / "w")
     stage = WeightStore.stage
-
-    def slow_reads(self, folder):
-        staged = stage(self, folder)
-        staged.writes = [(name, lambda read=read: (time.sleep(0.05), read())[1])
-                         for name, read in staged.writes]
-        return staged
-
-    monkeypatch.setattr(WeightStore, "stage", slow_reads)
+    slow_reads(monkeypatch)
     r = update(url, path=str(tmp_path / "w"), version=1, timeout_s=0.5)
     assert r.status_code == 504 and "serves on from its copy" in r.json()["error"]["message"]
     after = served_greedy(url, ids)
