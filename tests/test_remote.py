@@ -290,3 +290,22 @@ def test_a_busy_server_is_asked_again_and_a_refusal_is_not():
     finally:
         servers.close()
         httpd.shutdown()
+
+
+def test_bench_sync_times_each_phase_and_a_bfloat16_server_loads_half_the_bytes(tmp_path):
+    """`rollwise bench sync` on the tiny model: a bfloat16 server asked for its precision
+    gets bfloat16 files, half the float32 ones; every phase timed; the server's greedy
+    tokens equal the in-process bfloat16 engine's after the last sync."""
+    from rollwise.bench import sync
+
+    cfg = small(tmp_path, "engine.batch_size=8")
+    data = sync.run(cfg, dtypes=["bfloat16"], file_dtypes=["server", "float32"], syncs=1,
+                    log_dir=tmp_path)
+    by = {v["file_dtype"]: v for v in data["variants"]}
+    assert set(by) == {"bfloat16", "float32"}
+    assert by["float32"]["bytes"] == pytest.approx(2 * by["bfloat16"]["bytes"], rel=0.01)
+    for v in by.values():
+        assert v["greedy_match"] and v["syncs"] == 1 and len(v["rows"]) == 2
+        assert all(r["server_write_s"] > 0 and r["server_publish_s"] > 0
+                   and r["total_s"] > r["trainer_s"] for r in v["rows"])
+    assert [r["version"] for v in data["variants"] for r in v["rows"]] == list(range(1, 5))
