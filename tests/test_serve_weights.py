@@ -310,3 +310,24 @@ def test_a_bfloat16_server_out_of_time_serves_on_and_wants_full_weights(served_b
     assert r.status_code == 200 and not server.weights.torn
     assert served_greedy(url, ids)["choices"][0]["token_ids"] == greedy_in(
         build_model(seed=1), ids, "bfloat16")
+
+
+def test_lora_publications_hold_the_adapter_alone_after_the_first_and_stay_float32(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from rollwise.learner.files import WeightsPublisher
+
+    peft = get_peft_model(build_model(), LoraConfig(r=4, lora_alpha=8,
+                                                    target_modules=["q_proj", "v_proj"]))
+    publisher = WeightsPublisher(peft, str(tmp_path))
+    try:
+        first = publisher.publish(0)
+        assert first.handle.folder("bfloat16") == str(first.handle)  # float32 base, once
+        assert file_dtypes(str(first.handle)) == {"F32"}
+        later = publisher.publish(1)
+        files = sorted(p.name for p in Path(later.handle.folder("bfloat16")).iterdir())
+        assert files == ["adapter_config.json", "adapter_model.safetensors"]
+        lora = sum(p.numel() * 4 for n, p in peft.named_parameters() if "lora_" in n)
+        assert later.nbytes == lora < first.nbytes // 50
+    finally:
+        publisher.close()
