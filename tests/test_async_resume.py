@@ -104,7 +104,9 @@ def _wait_for_ahead(run: Run, num_steps: int) -> None:
     run.hold_stage_state = holding
 
 
-def test_resume_trains_the_buffered_batch_as_it_was_and_nothing_twice(tmp_path):
+@pytest.mark.parametrize("resumed", ["async", "sync"])
+def test_resume_trains_the_buffered_batch_as_it_was_and_nothing_twice(tmp_path, resumed):
+    """Resumed in either mode (the synchronous driver trains the kept batches first too)."""
     cfg = small(tmp_path, *ASYNC, "run.num_steps=4", "run.name='cut'")
     root = tmp_path / "cut"
     first = build(cfg)
@@ -126,6 +128,8 @@ def test_resume_trains_the_buffered_batch_as_it_was_and_nothing_twice(tmp_path):
     assert saved["step"] == 2 and len(saved["stages"]["ahead"]) == 1
     ahead = saved["stages"]["ahead"][0]
 
+    if resumed == "sync":
+        cfg = small(tmp_path, "run.num_steps=4", "run.name='cut'")
     second = build(cfg)  # a fresh process
     select, selected = second.select, []
     second.select = lambda: selected.append(1) or select()

@@ -36,7 +36,8 @@ import json
 import threading
 import time
 
-from rollwise.pipeline.loop import Collected, collect, learn, staleness_histogram
+from rollwise.pipeline.loop import (Collected, collect, learn, staleness_histogram,
+                                    take_kept)
 from rollwise.run.rundir import Run, StepTimer
 from rollwise.pipeline.stages import Stages
 from rollwise.types import Group, Published
@@ -137,19 +138,6 @@ class PublishHandoff:
             self.apply()
         finally:
             self.stages.rollout_stage, self.stages.learner = self.rollout, self.trainer
-
-
-def take_kept(stages: Stages) -> list[Collected]:
-    """The batches the resumed checkpoint kept (collected for the steps after its own, in
-    step order), taken from `stages`, which hold them from `load_state_dict` until now;
-    the last one carries the stages' state, which is as of its collection."""
-    plain, stages.ahead = stages.ahead, []
-    if not plain:
-        return []
-    samples = stages.samples_by_id()
-    kept = [Collected.from_plain(b, samples) for b in plain]
-    kept[-1].state = json.loads(json.dumps(stages.stage_state()))
-    return kept
 
 
 class AsyncSteps:

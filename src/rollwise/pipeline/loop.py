@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -26,16 +27,34 @@ from rollwise.types import Group, Sample
 class SyncSteps:
     """The synchronous step: roll out, then train (`train_step`). The asynchronous driver
     (`asyncloop.AsyncSteps`) has the same shape: built for a run from its first step,
-    `step(k)` trains step k, `close()` stops whatever runs ahead."""
+    `step(k)` trains step k, `close()` stops whatever runs ahead.
+
+    Resumed from an asynchronous run's checkpoint, the batches it had collected ahead are
+    trained first, as they are, and later checkpoints keep those not yet trained."""
 
     def __init__(self, stages: Stages, run: Run, start: int, num_steps: int):
         self.stages, self.run, self.num_steps = stages, run, num_steps
+        self.kept = take_kept(stages)
+        if self.kept:
+            run.hold_stage_state(self._state)
+
+    def _state(self) -> dict:
+        """Nothing is rolled out while kept batches remain: the stages' state is as of the
+        last one's collection, and the rest are kept again."""
+        return self.stages.stage_state() | {"ahead": [b.to_plain() for b in self.kept]}
 
     def step(self, step: int) -> dict:
-        return train_step(self.stages, self.run, step, self.num_steps)
+        if not self.kept:
+            return train_step(self.stages, self.run, step, self.num_steps)
+        batch = self.kept.pop(0)
+        batch.state = None  # the snapshot's state is `_state`'s
+        record = learn(self.stages, self.run, step, self.num_steps, batch, self.run.timer())
+        if not self.kept:
+            self.run.hold_stage_state(None)
+        return record
 
     def close(self) -> None:
-        pass
+        self.run.hold_stage_state(None)
 
 
 def train(stages: Stages, run: Run, num_steps: int, *, eval_every: int = 0,
@@ -189,3 +208,16 @@ def train_step(stages: Stages, run: Run, step: int, num_steps: int) -> dict:
     """One training step (`step` counts from 0); its metrics record. Benchmarks drive it."""
     timer = run.timer()
     return learn(stages, run, step, num_steps, collect(stages, timer), timer)
+
+
+def take_kept(stages: Stages) -> list[Collected]:
+    """The batches the resumed checkpoint kept (collected for the steps after its own, in
+    step order), taken from `stages`, which hold them from `load_state_dict` until now;
+    the last one carries the stages' state, which is as of its collection."""
+    plain, stages.ahead = stages.ahead, []
+    if not plain:
+        return []
+    samples = stages.samples_by_id()
+    kept = [Collected.from_plain(b, samples) for b in plain]
+    kept[-1].state = json.loads(json.dumps(stages.stage_state()))
+    return kept
