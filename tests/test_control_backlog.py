@@ -14,11 +14,11 @@ from rollwise.control.adaptive import (
     Hive,
     half_width,
     incomplete_beta,
-    mixed_chance,
     response_entropy,
     t_quantile,
     xrpo_allocation,
 )
+from rollwise.control.posterior import mixed_chance
 from rollwise.types import Group, Sample, Trajectory
 from test_control import FakePrompt, run_controller, simulated
 
@@ -84,23 +84,26 @@ def test_aero_min_mix_skips_prompts_the_posterior_calls_settled() -> None:
     """mixed_chance(a, b, n) = 1 - E[p^n] - E[(1-p)^n] by hand: the prior Beta(1, 1) gives
     1 - 1/5 - 1/5 = 0.6 for n = 4; twenty passes, Beta(21, 1): E[p^4] = 21/25 = 0.84 and
     E[(1-p)^4] = 4!/(22*23*24*25) = 7.9e-5, so 0.15992. With min_mix = 0.3 and no floor the
-    settled prompt is not rolled out; at min_mix = 0 (the default) it is."""
+    settled prompt is not rolled out, by aero or by dars; at min_mix = 0 (the default) it is."""
     assert mixed_chance(1.0, 1.0, 4) == pytest.approx(0.6)
     assert mixed_chance(21.0, 1.0, 4) == pytest.approx(1 - 0.84 - 24 / (22 * 23 * 24 * 25))
     assert mixed_chance(3.0, 2.0, 1) == 0.0
     prompts = [FakePrompt(Sample(id=f"p{i}", prompt=str(i), answer="0"), [1, i])
                for i in range(3)]
 
-    def planned(min_mix: float) -> dict[str, int]:
-        ctl = Controller(prompts, make_allocator("aero", candidates=1.0, min_mix=min_mix),
+    def planned(min_mix: float, name: str = "aero", **options) -> dict[str, int]:
+        ctl = Controller(prompts, make_allocator(name, min_mix=min_mix, **options),
                          PosteriorBook(decay_fast=1.0), prompts_per_step=3, group_size=8,
                          explore=0.0)
         ctl.book.update("p1", [1.0] * 20, step=0)
         return {r.prompt[0].id: r.n for r in ctl.plan()}
 
-    assert planned(0.3) == {"p0": 4, "p2": 4}
-    assert planned(0.0) == {"p0": 4, "p1": 4, "p2": 4}
-    assert len(planned(0.9)) == 1  # everything settled: the best-ranked prompt still runs
+    assert planned(0.3, candidates=1.0) == {"p0": 4, "p2": 4}
+    assert planned(0.0, candidates=1.0) == {"p0": 4, "p1": 4, "p2": 4}
+    assert len(planned(0.9, candidates=1.0)) == 1  # all settled: the best-ranked still runs
+    # dars's first round (first_n = G/2 = 4) skips the same prompt
+    assert planned(0.3, "dars") == {"p0": 4, "p2": 4}
+    assert planned(0.0, "dars") == {"p0": 4, "p1": 4, "p2": 4}
 
 
 def test_xrpo_allocation_by_hand() -> None:

@@ -24,7 +24,13 @@ from __future__ import annotations
 import functools
 import math
 
-from rollwise.control.allocators import ALLOCATORS, _prompt_of, _requests, _stateless
+from rollwise.control.allocators import (
+    ALLOCATORS,
+    _prompt_of,
+    _requests,
+    _stateless,
+    skip_settled,
+)
 from rollwise.control.controller import Controller, Group, Request
 
 
@@ -78,22 +84,6 @@ def t_quantile(prob: float, df: int) -> float:
     return (lo + hi) / 2
 
 
-def mixed_chance(a: float, b: float, n: int) -> float:
-    """The probability that n rollouts of a prompt with success rate p ~ Beta(a, b) do not all
-    agree: 1 − E[p^n] − E[(1 − p)^n], with E[p^n] = Π_{i<n} (a + i)/(a + b + i).
-
-    >>> round(mixed_chance(1.0, 1.0, 4), 4), round(mixed_chance(9.0, 1.0, 4), 4)
-    (0.6, 0.3063)
-    """
-    if n < 2:
-        return 0.0
-    all_pass = all_fail = 1.0
-    for i in range(n):
-        all_pass *= (a + i) / (a + b + i)
-        all_fail *= (b + i) / (a + b + i)
-    return max(0.0, 1.0 - all_pass - all_fail)
-
-
 def _rate(group: Group) -> float:
     """The group's pass rate, rewards clipped to [0, 1]."""
     return sum(min(max(r, 0.0), 1.0) for r in group.rewards) / len(group.rewards)
@@ -138,12 +128,9 @@ class Aero:
                             self.candidates)
         if self.min_mix > 0:
             # the floor's prompts are always rolled out: they are how a skipped prompt's
-            # posterior gets fresh evidence
-            floor = ctl.floor_slots(ctl.prompts_per_step)
-            kept = [p for p in chosen[floor:]
-                    if mixed_chance(*ctl.book.counts(p[0].id, ctl.step), self._first)
-                    >= self.min_mix]
-            chosen = chosen[:floor] + kept or chosen[:1]  # a step trains on something
+            # posterior gets fresh evidence besides the decay
+            chosen = skip_settled(ctl, chosen, self._first, self.min_mix,
+                                  ctl.floor_slots(ctl.prompts_per_step))
         return _requests(chosen, self._first)
 
     def observe(self, ctl: Controller, groups: list[Group]) -> list[Request]:

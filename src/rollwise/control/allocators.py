@@ -13,7 +13,8 @@ docs/allocation.md. Summary, with P prompts per step, G group size:
                 rest of B to prompts whose pilot pass rate lies in [band_low, band_high]
                 (then by posterior variance); train on committed prompts (pilot + commit).
 - dars          round 1 with first_n each; hard prompts (a < 0.5) get Δn more (ET or HW
-                schedule), scaled to the rest of B; train on mixed groups.
+                schedule), scaled to the rest of B; train on mixed groups. With min_mix > 0,
+                round 1 skips prompts whose posterior predicts an all-equal group.
 - vcrl          train on groups with normalised variance σ²/σ²_max >= κ; replay such prompts
                 from a priority bank for part of each batch.
 - gdro          Rollout-GDRO: bin prompts by posterior mean (with hysteresis); n_i ∝ σ_b(i)
@@ -31,6 +32,16 @@ from rollwise.registry import Registry, options_misfit
 
 def _requests(prompts: list, n: int) -> list[Request]:
     return [Request(p, n) for p in prompts]
+
+
+def skip_settled(ctl: Controller, prompts: list, n: int, min_mix: float, keep: int = 0) -> list:
+    """The prompts whose posterior gives n rollouts a chance of at least `min_mix` of not all
+    agreeing (PosteriorBook.mixed_chance), after the first `keep`, which always stay; the
+    first prompt alone when none would (a step trains on something). A skipped prompt costs
+    nothing this step; the posterior's decay toward the prior brings it back later."""
+    kept = [p for p in prompts[keep:] if ctl.book.mixed_chance(prompt_id(p), ctl.step, n)
+            >= min_mix]
+    return prompts[:keep] + kept or prompts[:1]
 
 
 def _stateless(cls):
@@ -212,17 +223,22 @@ class Dars:
     name = "dars"
 
     def __init__(self, first_n: int = 0, max_n: int = 32, schedule: str = "et",
-                 std: bool = True):
+                 std: bool = True, min_mix: float = 0.0):
         if schedule not in ("et", "hw"):
             raise ValueError(f"dars: schedule={schedule!r}: expected 'et' or 'hw'")
+        if not 0.0 <= min_mix < 1.0:
+            raise ValueError(f"dars: min_mix={min_mix}: expected 0 <= min_mix < 1")
         self.first_n, self.max_n = first_n, max_n
-        self.schedule, self.use_std = schedule, std
+        self.schedule, self.use_std, self.min_mix = schedule, std, min_mix
         self._first, self._second_round = 0, False
 
     def plan(self, ctl: Controller) -> list[Request]:
         self._first = self.first_n or max(1, ctl.group_size // 2)
         self._second_round = False
-        return _requests(ctl.stream(ctl.prompts_per_step), self._first)
+        prompts = ctl.stream(ctl.prompts_per_step)
+        if self.min_mix > 0:  # not the paper's: skip what the posterior calls settled
+            prompts = skip_settled(ctl, prompts, self._first, self.min_mix)
+        return _requests(prompts, self._first)
 
     def observe(self, ctl: Controller, groups: list[Group]) -> list[Request]:
         if self._second_round:

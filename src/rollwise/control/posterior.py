@@ -18,6 +18,9 @@ for more than `stale_after` steps, so stale estimates revert to the prior. (The 
 of VADE is reconstructed, see docs/allocation.md.) Lazy decay makes a step cost O(prompts touched),
 and `decay(λ_f, λ_s)` applied step by step equals the closed form (tested).
 
+`mixed_chance(α, β, n)` is the predictive chance that n rollouts do not all agree, i.e. that
+a group of n has a non-zero advantage; allocators skip prompts where it is small.
+
 Simplification: the book lives in memory and travels in the checkpoint (`state_dict`); the
 reward history itself stays in the replay store (`TrajectoryStore.group_rewards`), from which
 `rebuild` recomputes the same counts (tested).
@@ -28,6 +31,22 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def mixed_chance(a: float, b: float, n: int) -> float:
+    """The probability that n rollouts of a prompt with success rate p ~ Beta(a, b) do not all
+    agree: 1 − E[p^n] − E[(1 − p)^n], with E[p^n] = Π_{i<n} (a + i)/(a + b + i).
+
+    >>> round(mixed_chance(1.0, 1.0, 4), 4), round(mixed_chance(9.0, 1.0, 4), 4)
+    (0.6, 0.3063)
+    """
+    if n < 2:
+        return 0.0
+    all_pass = all_fail = 1.0
+    for i in range(n):
+        all_pass *= (a + i) / (a + b + i)
+        all_fail *= (b + i) / (a + b + i)
+    return max(0.0, 1.0 - all_pass - all_fail)
 
 
 @dataclass
@@ -79,6 +98,10 @@ class PosteriorBook:
         variance of one rollout, i.e. how much a group on this prompt is expected to teach."""
         a, b = self.counts(pid, step)
         return a * b / ((a + b) * (a + b + 1))
+
+    def mixed_chance(self, pid: str, step: int, n: int) -> float:
+        """The chance that n rollouts of this prompt do not all agree (`mixed_chance`)."""
+        return mixed_chance(*self.counts(pid, step), n)
 
     def evidence(self, pid: str, step: int) -> float:
         """Decayed pseudo-counts beyond the prior (0 for an unseen prompt)."""
