@@ -338,3 +338,74 @@ def test_bfloat16_learner_moves_like_the_float32_one(tiny_llama, random_trajecto
     assert cosine > 0.95, cosine
     losses = [learner16.update(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0]
+
+
+def test_bfloat16_learner_resumes_bit_for_bit(tiny_llama, random_trajectories, tmp_path) -> None:
+    """Three updates in a row against one, a checkpoint (weights, optimizer state with the
+    rounding generator's), a fresh model and learner loading it, and two more: the same
+    bits. Without the generator's state the resumed rounding would differ."""
+    from rollwise.learner import collate
+    from rollwise.learner.checkpoint import load_checkpoint, save_checkpoint
+
+    batches = [collate(random_trajectories(6, seed=s), torch.tensor([1.0, -0.5, 0.3, -1.2,
+                                                                     0.8, -0.1]),
+                       torch.arange(6) // 2, pad_id=0) for s in range(3)]
+    straight = tiny_llama()
+    learner = _learner(straight, master_dtype="bfloat16", seed=5)
+    for batch in batches:
+        learner.update(batch)
+    first = tiny_llama()
+    learner = _learner(first, master_dtype="bfloat16", seed=5)
+    learner.update(batches[0])
+    path = save_checkpoint(tmp_path, first, learner.state_dict(), {"step": 1})
+    resumed = tiny_llama(seed=1)  # other weights: the checkpoint must replace them all
+    learner = _learner(resumed, master_dtype="bfloat16", seed=99)
+    state, _ = load_checkpoint(path, resumed)
+    learner.load_state_dict(state)
+    moments = learner.optimizer.state[learner.params[0]]
+    assert moments["exp_avg"].dtype == torch.float32  # not cast to the parameter's dtype
+    for batch in batches[1:]:
+        learner.update(batch)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+
+
+def test_engine_reads_the_bfloat16_learner_in_place(tiny_llama, random_trajectories) -> None:
+    """A bfloat16 engine over a bfloat16 learner's model takes no converted copy (`shared`,
+    no converted tensors): after an update its next log-probs change, and equal those of an
+    engine built afresh on the updated weights."""
+    from rollwise.engine import NativeEngine, SamplingParams
+
+    model = tiny_llama()
+    learner = _learner(model, lr=1e-2, master_dtype="bfloat16")
+    engine = NativeEngine(model, eos_token_ids=[2], dtype="bfloat16")
+    assert engine.decoder.shared
+    assert not engine.decoder._tensors and not engine.decoder._linears
+    prompts = [[1, 5, 9, 14], [1, 30, 31]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def logprobs(e):
+        return [c.logprobs for c in e.generate(prompts, greedy)]
+
+    before = logprobs(engine)
+    learner.update(_batch(random_trajectories))
+    after = logprobs(engine)
+    assert after != before
+    assert after == logprobs(NativeEngine(model, eos_token_ids=[2], dtype="bfloat16"))
+
+
+def test_update_frees_gradients_and_can_release_the_heap(tiny_llama, random_trajectories,
+                                                         monkeypatch) -> None:
+    """No gradient outlives its update (room for the rollouts that follow), and with
+    `release_memory` the freed heap is given back once per update, not otherwise."""
+    from rollwise.learner import learner as learner_module
+
+    calls = []
+    monkeypatch.setattr(learner_module, "trim_heap", lambda: calls.append(1))
+    for release, expected in ((False, []), (True, [1, 1])):
+        model = tiny_llama()
+        learner = _learner(model, master_dtype="bfloat16", release_memory=release)
+        for _ in range(2):
+            learner.update(_batch(random_trajectories))
+        assert all(p.grad is None for p in model.parameters())
+        assert calls == expected

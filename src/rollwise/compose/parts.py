@@ -131,7 +131,7 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
         skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts,
         activation_checkpointing=lc.activation_checkpointing,
         memory_budget_mb=lc.memory_budget_mb, optimizer=lc.optimizer,
-        master_dtype=lc.master_dtype, seed=cfg.run.seed)
+        master_dtype=lc.master_dtype, seed=cfg.run.seed, release_memory=lc.release_memory)
 
 
 def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer: Callable,

@@ -26,6 +26,10 @@ time, docs/performance.md); `memory_budget_mb` caps the micro-batch
 and the log-prob chunk so that the activations fit (learner/memory.py). With `master_dtype`
 "bfloat16" the weights and gradients are bfloat16 (half the bytes; the engine then reads them
 in place) and the optimizer rounds its updates stochastically (learner/stochastic.py).
+The process keeps the memory an update frees for reuse (`system.runtime.tune_allocator`), but
+reuses it imperfectly: over steps the resident set grows well past the live tensors (0.8 to
+1.7 GB on the quickstart's update, docs/performance.md). With `release_memory` the freed heap
+is given back after each update (glibc `malloc_trim`), at the cost of faulting pages in again.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from rollwise.learner.batch import micro_batches, take_rows
 from rollwise.learner.logprobs import token_logprobs
 from rollwise.learner.memory import enable_checkpointing, fit_budget, reference_copy
 from rollwise.learner.optim import build_optimizer, load_plain_state, plain_state
+from rollwise.system.runtime import trim_heap
 from rollwise.types import Batch, Published
 
 
@@ -56,14 +61,16 @@ class Learner:
                  correction_fn: Callable | None = None, correction_options: dict | None = None,
                  skip_zero_advantage: bool = True, share_prompts: bool = True,
                  activation_checkpointing: bool = False, memory_budget_mb: float = 0.0,
-                 optimizer: str = "adamw", master_dtype: str = "float32", seed: int = 0):
+                 optimizer: str = "adamw", master_dtype: str = "float32", seed: int = 0,
+                 release_memory: bool = False):
         """`share_prompts`: rows with the same prompt run it once per micro-batch (the
         same log-probs and gradients; learner/logprobs.py). `activation_checkpointing` and
         `memory_budget_mb` (0: none): the module docstring. `optimizer`: a name of
         learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit, float8 or bfloat16 moments).
         `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so)
         and its updates are rounded stochastically (learner/stochastic.py; `seed` seeds the
-        rounding)."""
+        rounding). `release_memory`: freed heap memory is given back to the system after
+        each update (module docstring)."""
         if master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"learner.master_dtype must be float32 or bfloat16, not "
                              f"'{master_dtype}'")
@@ -99,6 +106,7 @@ class Learner:
         if kl_coef > 0 and not hasattr(model, "disable_adapter"):
             self.ref_model = reference_copy(model, precision)
         self.nan_skips = 0  # updates skipped for a non-finite loss or gradient
+        self.release_memory = release_memory
         self.device = self.params[0].device
 
     def _autocast(self):
@@ -161,6 +169,8 @@ class Learner:
         for _ in range(self.ppo_epochs):
             metrics = self._step(batch, totals, weights)
         self.model.eval()
+        if self.release_memory:
+            trim_heap()
         return metrics | correction | {"rows_trained": float(batch.num_rows),
                                        "rows_skipped_zero_adv": float(skipped)}
 
@@ -228,6 +238,9 @@ class Learner:
             return {"skipped_nonfinite": 1.0, "nan_skips": float(self.nan_skips)}
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         self.optimizer.step()
+        # the gradients are not read again: freed now, they leave room for the rollouts
+        # and the next update's forward passes (zero_grad would free them only then)
+        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return sums | {"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 0.0}
 
