@@ -16,7 +16,9 @@ moments when `moment_dtype` is bfloat16) with stochastic rounding. It walks each
 chunks of CHUNK values, so its float32 temporaries stay a few MiB whatever the parameter's
 size (the 135M model's tied embedding has 28M values). The random bits come from the
 optimizer's own generator, whose state is part of its state dict: a resumed run rounds
-exactly as an uninterrupted one.
+exactly as an uninterrupted one. One draw of 16 bits a value serves the parameter and both
+moments of that value (each is still rounded without bias; their roundings are correlated,
+which no expectation depends on): the draw is the step's dominant cost.
 
 Imports: torch.
 """
@@ -30,16 +32,28 @@ _LOW16 = (1 << 16) - 1
 _HIGH16 = -(1 << 16)  # int32 mask keeping the sign, exponent and 7 mantissa bits
 
 
+def random_bits(shape, generator: torch.Generator | None = None,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 values uniform in [0, 2^16): the bits `stochastic_round` adds."""
+    bits = torch.empty(shape, dtype=torch.int32, device=device)
+    return bits.random_(0, 1 << 16, generator=generator)
+
+
 def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None) -> torch.Tensor:
     """float32 `x` to bfloat16, rounded up or down at random with the probabilities that
-    keep the expectation (module docstring); written into `out` when given. A value can
+    keep the expectation (module docstring); written into `out` when given; `noise`: the
+    `random_bits` to use (else drawn from `generator`; not modified). A value can
     round up into the next binade, as it should. Non-finite values are not guarded (a NaN
     may come out as an infinity): the learner never steps on a non-finite gradient, and a
     check would cost as much as the rounding."""
-    bits = torch.empty(x.shape, dtype=torch.int32, device=x.device)
-    bits.random_(0, 1 << 16, generator=generator)
-    bits.add_(x.contiguous().view(torch.int32)).bitwise_and_(_HIGH16)
+    if noise is None:
+        bits = random_bits(x.shape, generator, x.device)
+        bits.add_(x.contiguous().view(torch.int32))
+    else:
+        bits = noise.add(x.contiguous().view(torch.int32))
+    bits.bitwise_and_(_HIGH16)
     rounded = bits.view(torch.float32)
     if out is None:
         return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
@@ -60,6 +74,9 @@ class StochasticAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
         self.moment_dtype = moment_dtype
+        # parameters some of whose tensors (the parameter or its moments) are bfloat16
+        self.rounds = {p: torch.bfloat16 in (p.dtype, moment_dtype)
+                       for group in self.param_groups for p in group["params"]}
         device = self.param_groups[0]["params"][0].device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -98,19 +115,23 @@ class StochasticAdamW(torch.optim.Optimizer):
             if decay != 1:
                 w.mul_(decay)
             w.addcdiv_(m, denom, value=-step_size)
+            # one draw of random bits serves the chunk's three tensors: each is rounded
+            # without bias; drawing three would triple the step's dominant cost
+            noise = random_bits(g.shape, self.generator, g.device) if self.rounds[p] else None
             for target, value in ((flat_m[part], m), (flat_v[part], v), (flat_p[part], w)):
-                self._store(target, value)
+                self._store(target, value, noise)
 
     @staticmethod
     def _load(t: torch.Tensor) -> torch.Tensor:
         """A float32 view (float32 tensors: updated in place) or copy of `t`."""
         return t if t.dtype == torch.float32 else t.float()
 
-    def _store(self, target: torch.Tensor, value: torch.Tensor) -> None:
+    def _store(self, target: torch.Tensor, value: torch.Tensor,
+               noise: torch.Tensor | None) -> None:
         if target.dtype == torch.float32:
             return  # `value` is `target` itself, already updated
         if target.dtype == torch.bfloat16:
-            stochastic_round(value, self.generator, out=target)
+            stochastic_round(value, out=target, noise=noise)
         else:
             target.copy_(value)
 
