@@ -193,8 +193,10 @@ def run(model: str = "tiny", allocators: tuple[str, ...] = DEFAULT_ALLOCATORS,
     order = ["uniform", *[a for a in allocators if a != "uniform"]]
     work = Path(out) if out else Path(tempfile.mkdtemp(prefix="rollwise-b4-"))
     runs: dict[str, list[list[dict[str, Any]]]] = {}
-    for name in order:
-        for seed in seeds:
+    # seed by seed, every allocator in turn: on a shared machine the load drifts, and runs
+    # close in time see similar load, so seconds ratios compare like with like
+    for seed in seeds:
+        for name in order:
             progress(f"{name} seed {seed}: {steps} steps")
             cfg = bench_config(model, name, seed, steps, eval_every, work, extra,
                                train_prompts, eval_prompts)
