@@ -124,8 +124,8 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
         order = list(variants[rep % len(variants):] + variants[: rep % len(variants)])
         for v in order:
             precision, correction, share, optimizer, ckpt, master = KNOWN[v]
-            model = models[master]
-            learner = Learner(model, loss_fn=policy_losses["ppo"],
+            net = models[master]
+            learner = Learner(net, loss_fn=policy_losses["ppo"],
                               loss_options={"aggregation": "token-mean"}, lr=1e-5,
                               precision=precision, skip_zero_advantage=False,
                               share_prompts=share, optimizer=optimizer,
@@ -140,7 +140,7 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
                 times[v].append(time.perf_counter() - start)
                 del learner
             if ckpt:  # the model is shared by every variant
-                disable_checkpointing(model)
+                disable_checkpointing(net)
             if progress:
                 progress(f"rep {rep + 1}/{reps} {v}: {times[v][-1]:.2f}s")
     base = median(times[variants[0]])
