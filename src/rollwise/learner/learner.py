@@ -28,7 +28,8 @@ and the log-prob chunk so that the activations fit (learner/memory.py). With `ma
 in place) and the optimizer rounds its updates stochastically (learner/stochastic.py).
 The process keeps the memory an update frees for reuse (`system.runtime.tune_allocator`), but
 reuses it imperfectly: over steps the resident set grows well past the live tensors (0.8 to
-1.7 GB on the quickstart's update, docs/performance.md). With `release_memory` the freed heap
+1.7 GB on the quickstart's update, docs/performance.md). With `release_memory` the gradients
+are freed right after the optimizer step (not at the next update's start) and the freed heap
 is given back after each update (glibc `malloc_trim`), at the cost of faulting pages in again.
 """
 
@@ -69,8 +70,8 @@ class Learner:
         learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit, float8 or bfloat16 moments).
         `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so)
         and its updates are rounded stochastically (learner/stochastic.py; `seed` seeds the
-        rounding). `release_memory`: freed heap memory is given back to the system after
-        each update (module docstring)."""
+        rounding). `release_memory`: the gradients are freed after each step and freed heap
+        memory is given back to the system after each update (module docstring)."""
         if master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"learner.master_dtype must be float32 or bfloat16, not "
                              f"'{master_dtype}'")
@@ -238,9 +239,9 @@ class Learner:
             return {"skipped_nonfinite": 1.0, "nan_skips": float(self.nan_skips)}
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         self.optimizer.step()
-        # the gradients are not read again: freed now, they leave room for the rollouts
-        # and the next update's forward passes (zero_grad would free them only then)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.release_memory:  # else left in .grad until the next update (tests read them)
+            # freed now, they leave room for the rollouts and the next update's forward passes
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return sums | {"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 0.0}
 
