@@ -152,6 +152,9 @@ def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer
     trainer = FileTrainer(build_learner(cfg, policy, precision), policy.model,
                           e.remote_weights_dir)
     try:
+        # the servers' precisions before the first publication, so that it is written once
+        # in each (not in float32 first, then again)
+        trainer.weights.expect(rollout.weights_dtypes())
         rollout.publish(trainer.publish(0))
     except BaseException:
         rollout.close()

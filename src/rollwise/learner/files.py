@@ -142,6 +142,11 @@ class WeightsPublisher:
         self.version = version
         return Published(version, self._current, nbytes)
 
+    def expect(self, dtypes: list[str | None]) -> None:
+        """The servers' precisions, known before the first publication: it is written in
+        those (the weights a server gets are the same as if it had asked)."""
+        self.dtypes = sorted({self.written_dtype(d) for d in dtypes}) or self.dtypes
+
     def written_dtype(self, dtype: str | None) -> str:
         """What a server sampling in `dtype` gets: that dtype when the trainer writes it,
         float32 otherwise (unknown, int8: converted from float32 by the server) and for

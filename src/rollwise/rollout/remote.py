@@ -210,10 +210,14 @@ class RemoteRollout:
         folder = getattr(handle, "folder", None)
         if folder is None:
             return [str(handle)] * len(self.servers.urls)
+        return [folder(dtype) for dtype in self.weights_dtypes()]
+
+    def weights_dtypes(self) -> list[str | None]:
+        """The precision each server samples in (None: it does not say), asked once."""
         for i, known in enumerate(self._dtypes):
             if known is None:
                 self._dtypes[i] = self.dialect.weights_dtype(self.servers, i)
-        return [folder(dtype) for dtype in self._dtypes]
+        return list(self._dtypes)
 
     def server_versions(self) -> list[int]:
         """The version each server samples with now (GET /v1/weights: `rollwise serve`
