@@ -9,8 +9,8 @@ server`) or float32 whatever it samples in (`--file-dtype float32`: publications
 they followed the server's precision), then the rollwise dialect has the server load it
 (`POST /v1/weights/update`, mode `engine.remote_sync`). Between versions every float
 tensor is scaled by 1.01 or back (outside the timing), so each version's bytes differ.
-The first publication (a run's version 0: the server is asked its precision, float32 is
-written first) is reported apart.
+The first publication (a run's version 0: the whole model, in the precision the server
+said before it, as `compose.parts.place_remote` asks) is reported apart.
 
 Per sync: the trainer's phases (gather, convert, write: learner/files.py), the server's
 (read, pause, write, publish = conversion + cached prompts dropped, resume: its answer),
@@ -59,6 +59,7 @@ def _variant(model, servers, dialect, *, want: str, syncs: int, first_version: i
     publisher = WeightsPublisher(model, root)
     asked = dialect.weights_dtype(servers, 0) if want == "server" else want  # asked once,
     rows = []  # as RemoteRollout asks each server once
+    publisher.expect([asked])  # known before the first publication, as in a run
     try:
         for k in range(syncs + 1):
             if k:
