@@ -254,7 +254,8 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtyp
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors pads it
     convert = [t.numel() for n, t in tensors.items() if not _as_is(t, want[n])]
-    buffer = torch.empty(max(convert, default=0), dtype=dtype or torch.float32)
+    # the bytes go to a file: tensors on any device are converted into a host buffer
+    buffer = torch.empty(max(convert, default=0), dtype=dtype or torch.float32, device="cpu")
     converting = writing = 0.0
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)

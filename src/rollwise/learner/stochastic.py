@@ -92,7 +92,8 @@ class StochasticAdamW(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            # a host counter, as torch's own AdamW keeps it (read with int() each step)
+            state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
             state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
         state["step"] += 1
