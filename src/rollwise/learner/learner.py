@@ -103,6 +103,9 @@ class Learner:
         self.skip_zero_advantage = (skip_zero_advantage and is_zero_at_zero_advantage(loss_fn)
                                     and self.kl_loss_coef == 0 and entropy_coef == 0)
         self.rows_skipped = 0  # zero-advantage rows not run through the model, all steps
+        # the version last published and the one `sync_into` last reported
+        self._published: int | None = None
+        self._synced: int | None = None
         self.ref_model = None
         if kl_coef > 0 and not hasattr(model, "disable_adapter"):
             self.ref_model = reference_copy(model, precision)
@@ -261,11 +264,10 @@ class Learner:
         """The driver's model is the one this learner trains: always current. The version
         when it changed since the last call (an evaluator's engine with its own copy of the
         weights re-reads them then; one reading the rollout engine's only follows)."""
-        published = getattr(self, "_published", None)
-        if published == getattr(self, "_synced", None):
+        if self._published == self._synced:
             return None
-        self._synced = published
-        return published
+        self._synced = self._published
+        return self._published
 
     def close(self) -> None:
         pass
