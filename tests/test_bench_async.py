@@ -39,6 +39,17 @@ def test_learner_busy_is_train_over_the_steps_wall_time():
     assert fig["learner_busy"] == pytest.approx((2.0 / 4 + 4.0 / 5) / 2)
     assert fig["train_s"] == pytest.approx(3.0 + 0.5)  # train + publish medians
     assert fig["trajectories"] == 24 and fig["tokens"] == 30 and fig["measured_steps"] == 2
+    assert fig["staleness_max"] == 0 and fig["stale_frac"] == 0
+
+
+def test_staleness_max_is_the_oldest_trained_trajectory_of_the_measured_steps():
+    rows = [record(1.0, 1.0, 1.0) | {"staleness_hist_2": 1},  # warm-up: left out
+            record(2.0, 1.0, 1.0, trained=6) | {"staleness_hist_1": 2, "staleness_hist_0": 4},
+            record(3.0, 1.0, 1.0, trained=4) | {"staleness_hist_1": 4, "staleness_hist_0": 0}]
+    fig = overlap.step_figures(rows, warmup=1)
+    assert fig["staleness_max"] == 1 and fig["stale_frac"] == pytest.approx((2 / 6 + 1) / 2)
+    assert overlap.step_figures([record(1.0, 1.0, 1.0) | {"staleness_hist_3plus": 1}],
+                                warmup=0)["staleness_max"] == 3
 
 
 def test_each_async_variant_is_measured_against_its_own_placements_sync():
@@ -82,6 +93,7 @@ def test_in_process_async_trains_beside_the_sync_row():
         assert row["steps"] == 2 and row["trajectories"] == 2 * 4 * 8 and row["tokens"] > 0
         assert 0 < row["learner_busy"] <= 1 and 0 <= row["accuracy"] <= 1
     assert sync["stale_frac"] == 0 and late["stale_frac"] > 0
+    assert sync["staleness_max"] == 0 and late["staleness_max"] == 1
     assert result["derived"]["local-async-1_over_larger_stage"] > 0
 
 

@@ -145,12 +145,22 @@ def step_figures(trains: list[dict], warmup: int) -> dict[str, Any]:
         "publish_s": med("publish_seconds"), "wait_s": med("time_wait"),
         "rollout_busy": busy("time_rollout"), "learner_busy": busy("time_train"),
         "stale_frac": statistics.fmean(stale) if stale else 0.0,
-        "staleness_max": max((r.get("staleness_max", 0) for r in kept), default=0),
+        "staleness_max": max((_oldest(r) for r in kept), default=0),
         "stale_dropped": sum(r["traj_stale_dropped"] for r in trains),
         "trajectories": sum(r["traj_trained"] + r["traj_filtered"] for r in trains),
         "tokens": sum(r["step_tokens"] for r in trains),
         "steps": len(trains), "measured_steps": len(kept), "per_step_s": step_s,
     }
+
+
+def _oldest(record: dict) -> int:
+    """The largest age (in versions) of a trajectory the step trained, from its staleness
+    histogram (3 stands for 3 or more). The rollout's own `staleness_max` is the age at the
+    end of its collection, 0 for a batch collected whole before the publication it trains
+    after."""
+    ages = [3 if k == "3plus" else int(k) for k in ("0", "1", "2", "3plus")
+            if record.get(f"staleness_hist_{k}", 0)]
+    return max(ages, default=0)
 
 
 def derived(rows: list[dict[str, Any]]) -> dict[str, float]:
