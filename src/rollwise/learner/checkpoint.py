@@ -145,7 +145,8 @@ def save_checkpoint(folder: Path, model, learner_state: dict, state: dict, keep:
         save_file(trainable_state(model), tmp / "model.safetensors")
         save_tree(tmp, "optimizer", learner_state)
         save_tree(tmp, "rng", rng if rng is not None else rng_state())
-        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        # compact: the batches an async checkpoint keeps make it large (2.8x indented)
+        (tmp / "state.json").write_text(json.dumps(state, separators=(",", ":")))
         for f in tmp.iterdir():
             fsync_file(f)
         fsync_dir(tmp)
