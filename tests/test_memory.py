@@ -48,6 +48,42 @@ def test_step_timer_records_each_phase_peak() -> None:
     assert set(timer.phases) == set(timer.peaks) == {"rollout", "train"}
 
 
+FRAGMENT = """
+import sys, torch
+from rollwise.system import runtime
+runtime.tune_allocator(sys.argv[1])
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
+base = rss()
+bigs, smalls = [], []
+for _ in range(48):  # 8 MiB tensors, each followed by a small one that stays alive
+    bigs.append(torch.ones(2**21))
+    smalls.append(torch.ones(64))
+del bigs  # 384 MiB freed between live small blocks
+print((rss() - base) // 1024)
+"""
+
+
+@linux
+def test_compact_allocator_returns_what_reuse_keeps() -> None:
+    """Freed 8 MiB tensors interleaved with live small ones: under `reuse` they stay in the
+    heap (holes below live blocks cannot be trimmed), under `compact` each was mapped on its
+    own and is returned at once. Each mode in a fresh process (mallopt is process-wide)."""
+    import subprocess
+
+    def kept_mb(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", FRAGMENT, mode], capture_output=True,
+                             text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    if not runtime.tune_allocator("reuse"):
+        pytest.skip("not glibc, or ROLLWISE_NO_MALLOPT set")
+    assert kept_mb("reuse") > 300  # 384 MiB freed, still resident
+    assert kept_mb("compact") < 50
+    with pytest.raises(ValueError, match="run.allocator"):
+        runtime.tune_allocator("jemalloc")
+
+
 def test_step_line_shows_the_peak() -> None:
     line = format_step_line({"step": 2, "num_steps": 5, "peak_rss_mb": 2150.0})
     assert line == "step 2/5 | rss 2.1 GB"

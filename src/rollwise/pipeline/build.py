@@ -79,7 +79,7 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
     threads = cfg.run.threads
     if not threads and overlaps_in_process(cfg):  # two sides compute at once: half each
         threads = max(1, free_cores() // 2)
-    configure_runtime(threads)
+    configure_runtime(threads, cfg.run.allocator)
     torch.manual_seed(cfg.run.seed)
     task = build_task(cfg)
     check_enough_prompts(len(task.train), 0, cfg.rollout.prompts_per_step)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the stages import torch; this module is read before the mod
 Rewards = dict[str, tuple[Callable, float]]  # name -> (function, weight), from Python
 
 # Keys a resumed run may change freely: how long and where it runs, not what it computes.
-FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.checkpoint_every",
+FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.allocator", "run.checkpoint_every",
                   "run.checkpoint_minutes", "run.keep_checkpoints", "run.loggers", "run.device",
                   "eval.", "health.")
 # where the stages run, not what they compute (group numbering makes the samples the same)

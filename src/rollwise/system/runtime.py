@@ -16,20 +16,32 @@ import torch
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
-def tune_allocator() -> bool:
-    """Serve large tensors from the heap and keep freed memory for reuse (glibc only).
+ALLOCATORS = ("reuse", "compact")
+
+
+def tune_allocator(mode: str = "reuse") -> bool:
+    """Set how glibc's allocator trades memory for speed (glibc only; elsewhere nothing).
 
     By default glibc maps every allocation over its mmap threshold afresh and returns it on
     free, so each decode step and each backward pass pays for page faults that zero fresh
     pages (seen here as half the CPU time in the kernel; a training step about 1.5x slower).
-    Set ROLLWISE_NO_MALLOPT=1 to leave the allocator alone.
+    `reuse` (rollwise's default) serves large tensors from the heap and keeps freed memory
+    for reuse: fast, but the heap fragments, and the resident set ends well above the live
+    tensors (0.75 GB above them in a LoRA update of the quickstart, docs/performance.md).
+    `compact` does the opposite: every allocation over 64 KiB is mapped afresh and returned
+    when freed, and the heap's free top is trimmed past 1 MiB, so the resident set follows
+    the live tensors, at the page faults' cost. Set ROLLWISE_NO_MALLOPT=1 to leave the
+    allocator alone.
     """
+    if mode not in ALLOCATORS:
+        raise ValueError(f"run.allocator must be one of {', '.join(ALLOCATORS)}, not '{mode}'")
     if os.environ.get("ROLLWISE_NO_MALLOPT"):
         return False
+    mmap_at, trim_at = (1 << 30, 1 << 31) if mode == "reuse" else (1 << 16, 1 << 20)
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_at) and libc.mallopt(_M_TRIM_THRESHOLD, trim_at)
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
         return False
     return bool(ok)
@@ -78,12 +90,12 @@ def free_cores(sample_s: float = 0.1) -> int:
     return max(1, free)
 
 
-def configure(threads: int = 0) -> int:
-    """Torch CPU threads (0: the cores free now, `free_cores`) and the allocator; returns
-    the thread count."""
+def configure(threads: int = 0, allocator: str = "reuse") -> int:
+    """Torch CPU threads (0: the cores free now, `free_cores`) and the allocator's mode
+    (`tune_allocator`); returns the thread count."""
     threads = threads or free_cores()
     torch.set_num_threads(threads)
-    tune_allocator()
+    tune_allocator(allocator)
     return threads
 
 
