@@ -199,6 +199,9 @@ def test_bench_memory_full_and_lora(tmp_path, monkeypatch) -> None:
     # each case of `run` is a process of its own; one that fails is a row with its error
     missing = bm.run(("no-such-shape",), ("full",), shapes_dir=str(tmp_path))["rows"][0]
     assert "no-such-shape" in missing["error"]
+    compact = bm.run(("mini",), ("lora",), shapes_dir=str(tmp_path), prompt_len=8,
+                     response_len=8, allocator="compact")["rows"][0]
+    assert compact["allocator"] == "compact" and compact["tokens"] == full["tokens"]
     # a full fine-tune that cannot fit the memory available is not started
     assert bm.params_of("mini", tmp_path) == pytest.approx(full["params_m"] * 1e6)
     monkeypatch.setattr(bm, "_available_mb", lambda: 0.01)

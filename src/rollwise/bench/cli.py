@@ -249,13 +249,16 @@ def memory(json: JsonOpt = None,
                help="learner.activation_checkpointing.")] = False,
            response_len: Annotated[int, typer.Option(help="Response tokens per row.")] = 64,
            steps: Annotated[int, typer.Option(help="Updates per case (>= 2).")] = 2,
+           allocator: Annotated[str, typer.Option(
+               help="run.allocator of each case (reuse, compact), or system: glibc's own "
+               "settings.")] = "reuse",
            threads: ThreadsOpt = 0):
     """Peak resident set and update time of random-init models of real shapes, full
     fine-tuning and LoRA, each case in its own process."""
     from rollwise.bench import memory as bm
 
     bm.command(json=json, shape=shape, kind=kind, precision=precision, checkpointing=checkpointing,
-               response_len=response_len, steps=steps, threads=threads)
+               response_len=response_len, steps=steps, threads=threads, allocator=allocator)
 
 
 @bench_app.command("probe")

@@ -154,26 +154,35 @@ def run(shapes: tuple[str, ...] = ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b"),
 
 
 if __name__ == "__main__":
+    from rollwise.system.runtime import tune_allocator
+
     opts = json.loads(sys.argv[1])
     if opts.get("threads"):
         torch.set_num_threads(opts["threads"])
     opts.pop("threads", None)
-    print(json.dumps(case(**opts)))
+    allocator = opts.pop("allocator", "system")
+    if allocator != "system":  # "system": glibc's own settings, as tables before 2026-12-05
+        tune_allocator(allocator)
+    print(json.dumps(case(**opts) | {"allocator": allocator}))
 
 
 def command(*, json: Path | None, shape: list[str] | None, kind: list[str] | None, precision: str,
-            checkpointing: bool, response_len: int, steps: int, threads: int) -> None:
+            checkpointing: bool, response_len: int, steps: int, threads: int,
+            allocator: str = "reuse") -> None:
     """`rollwise bench memory`: run it, print the tables, write `json` (and its page)."""
     from rollwise.system.runtime import configure
 
     threads = configure(threads)
+    if allocator not in ("reuse", "compact", "system"):
+        raise typer.BadParameter(f"unknown allocator '{allocator}'; known: reuse, compact, "
+                                 "system")
     bad = [k for k in kind or [] if k not in ("full", "lora")]
     if bad:
         raise typer.BadParameter(f"unknown kind(s) {bad}; known: full, lora")
     data = run(tuple(shape or ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b")),
                tuple(kind or ("full", "lora")), progress=say, precision=precision,
                checkpointing=checkpointing, response_len=response_len, steps=steps,
-               threads=threads)
+               threads=threads, allocator=allocator)
     for row in data["rows"]:
         row["peak_rss_gib"] = row["peak_rss_mb"] / 1024 if "peak_rss_mb" in row else None
     print_table(f"learner memory: {precision}, {threads} threads", data["rows"],
