@@ -90,8 +90,8 @@ class RolloutWorker:
     def __init__(self, cfg_data: dict, policy, precision, reward, threads: int):
         from rollwise.compose.parts import build_rollout_stage, build_task
 
-        configure_runtime(threads)
         cfg = _config(cfg_data)
+        configure_runtime(threads, cfg.run.allocator)
         self.policy = policy
         task = build_task(cfg)  # an environment task rolls out episodes in the worker
         self.stage = build_rollout_stage(cfg, policy, precision, RemoteScorer(reward),
@@ -165,8 +165,8 @@ class LearnerWorker:
     def __init__(self, cfg_data: dict, policy, precision, threads: int):
         from rollwise.compose.parts import build_learner
 
-        configure_runtime(threads)
         cfg = _config(cfg_data)
+        configure_runtime(threads, cfg.run.allocator)
         torch.manual_seed(cfg.run.seed)
         self.policy = policy
         self.learner = build_learner(cfg, policy, precision)
