@@ -433,6 +433,41 @@ def test_engine_reads_the_bfloat16_learner_in_place(tiny_llama, random_trajector
     assert after == logprobs(NativeEngine(model, eos_token_ids=[2], dtype="bfloat16"))
 
 
+def test_autocast_bfloat16_learner_keeps_a_float32_stream(tiny_llama, random_trajectories) -> None:
+    """Under bf16-autocast, bfloat16 master weights keep the embedding and the norm gains in
+    float32 (the residual stream float32, as over float32 weights). The engine still reads
+    every projection in place and converts only those few tensors, again at each publication:
+    after an update its log-probs equal an engine's built afresh on the updated weights."""
+    from rollwise.engine import NativeEngine, SamplingParams
+
+    model = tiny_llama()
+    learner = _learner(model, lr=1e-2, master_dtype="bfloat16", precision="bf16-autocast")
+    inner = model.model
+    assert inner.embed_tokens.weight.dtype == inner.norm.weight.dtype == torch.float32
+    assert inner.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert {p.dtype for n, p in model.named_parameters() if "proj" in n} == {torch.bfloat16}
+    engine = NativeEngine(model, eos_token_ids=[2], dtype="bfloat16")
+    decoder = engine.decoder
+    assert decoder.shared and not decoder._linears  # projections read in place
+    lm_head = model.get_output_embeddings()
+    assert decoder._tensors[inner.embed_tokens].dtype == torch.bfloat16
+    if lm_head.weight is inner.embed_tokens.weight:  # tied: one copy serves both
+        assert decoder._tensors[lm_head] is decoder._tensors[inner.embed_tokens]
+    prompts = [[1, 5, 9, 14], [1, 30, 31]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def logprobs(e):
+        return [c.logprobs for c in e.generate(prompts, greedy)]
+
+    before = logprobs(engine)
+    learner.update(_batch(random_trajectories))
+    assert inner.embed_tokens.weight.dtype == torch.float32  # the update keeps the dtypes
+    engine.publish(1)
+    after = logprobs(engine)
+    assert after != before
+    assert after == logprobs(NativeEngine(model, eos_token_ids=[2], dtype="bfloat16"))
+
+
 def test_update_frees_gradients_and_can_release_the_heap(tiny_llama, random_trajectories,
                                                          monkeypatch) -> None:
     """With `release_memory` no gradient outlives its update (room for the rollouts that

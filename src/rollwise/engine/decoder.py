@@ -154,7 +154,10 @@ class Decoder:
         self.int8 = dtype == torch.int8  # int8 projections, float32 everything else
         self.dtype = torch.float32 if self.int8 else (dtype or weight.dtype)
         self.device = resolve_device(device if device is not None else weight.device)
-        self.shared = (self.dtype == weight.dtype and self.device == resolve_device(weight.device)
+        # shared: the projections are read in place (an embedding or norm gain in another
+        # precision, as a bfloat16 learner's float32 stream keeps them, is a converted copy)
+        proj = self.layers[0].mlp.down_proj.weight
+        self.shared = (self.dtype == proj.dtype and self.device == resolve_device(proj.device)
                        and not self.int8 and not own_weights)
         self.own_weights = own_weights
         self.generation = 0  # publications so far (refresh)
@@ -212,9 +215,10 @@ class Decoder:
         the publications (`generation`), so that every engine reading these weights can
         tell keys/values computed before."""
         self.generation += 1
-        if self.shared:
-            return 0.0
         start = time.perf_counter()
+        if self.shared:
+            self._convert_mismatched()
+            return time.perf_counter() - start
         # taken now, each tensor replaces (or is written into) the one it follows before
         # the next is made: a publication holds at most one projection twice, not the model
         for kind, key, value in (taken.parts if taken is not None else self._converted()):
@@ -224,6 +228,20 @@ class Decoder:
                 name = key if len(key) > 1 else key[0]
                 self._linears[name] = _into_dense(self._linears.get(name), value)
         return time.perf_counter() - start + (taken.seconds if taken is not None else 0.0)
+
+    def _convert_mismatched(self) -> None:
+        """A shared decoder's copies of the tensors it reads that are not in its precision
+        (none, unless the embeddings and norms are float32 beside bfloat16 projections); a
+        tied output layer reads the embedding's copy."""
+        copies: dict[int, torch.Tensor] = {}
+        for m in (*self._plain(), self.lm_head):
+            w = m.weight
+            if w.dtype == self.dtype and resolve_device(w.device) == self.device:
+                continue
+            if w.data_ptr() not in copies:
+                copies[w.data_ptr()] = _into(self._tensors.get(m),
+                                             w.detach().to(self.device, self.dtype))
+            self._tensors[m] = copies[w.data_ptr()]
 
     def _converted(self):
         """The weights in this decoder's precision and layout, one tensor or projection at
@@ -281,13 +299,13 @@ class Decoder:
         return {m: x.to(self.device) for m, x in amax.items()}
 
     def _w(self, m: nn.Module) -> torch.Tensor:
-        return m.weight if self.shared else self._tensors[m]
+        return self._tensors.get(m, m.weight) if self.shared else self._tensors[m]
 
     def _lin(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
         if not self.shared:
             return self._linears[m](x)
         if type(m) is nn.Linear:
-            return F.linear(x, m.weight, m.bias)
+            return F.linear(x, self._tensors.get(m, m.weight), m.bias)
         return m(x)  # e.g. a LoRA-wrapped projection: its own forward reads live adapters
 
     def _lin_many(self, x: torch.Tensor, mods: tuple[nn.Module, ...]) -> list[torch.Tensor]:

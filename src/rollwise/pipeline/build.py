@@ -47,6 +47,7 @@ from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Episodes, Evaluator, Generated
 from rollwise.pipeline.stages import BuildInfo, Stages, encode_prompts
 from rollwise.rewards import RewardPool, RewardSpec
+from rollwise.learner.stochastic import bfloat16_master
 from rollwise.system.runtime import configure as configure_runtime, free_cores
 from rollwise.tasks import Task
 from rollwise.types import EncodedPrompt
@@ -94,6 +95,8 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
     check_enough_prompts(len(train_prompts), skipped, r.prompts_per_step)
     eval_prompts, eval_skipped = _eval_prompts(cfg, policy, task, scoring.extra)
     precision = build_precision(cfg, policy)
+    if cfg.learner.master_dtype == "bfloat16":  # before any engine decides what it shares
+        bfloat16_master(policy.model, keep_stream=precision.learner == "bf16-autocast")
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
     control = build_control(cfg, sampler)
     rollout, trainer, resources, weights_from = _place(cfg, policy, precision, task, control,
