@@ -434,25 +434,26 @@ def test_engine_reads_the_bfloat16_learner_in_place(tiny_llama, random_trajector
 
 
 def test_autocast_bfloat16_learner_keeps_a_float32_stream(tiny_llama, random_trajectories) -> None:
-    """Under bf16-autocast, bfloat16 master weights keep the embedding and the norm gains in
-    float32 (the residual stream float32, as over float32 weights). The engine still reads
-    every projection in place and converts only those few tensors, again at each publication:
-    after an update its log-probs equal an engine's built afresh on the updated weights."""
+    """Under bf16-autocast, bfloat16 master weights keep a float32 residual stream, as over
+    float32 weights: the embedding's output is cast to float32 and the norm gains stay
+    float32. The engine still reads every projection and the embedding in place and converts
+    only the norm gains, again at each publication: after an update its log-probs equal an
+    engine's built afresh on the updated weights."""
     from rollwise.engine import NativeEngine, SamplingParams
 
     model = tiny_llama()
     learner = _learner(model, lr=1e-2, master_dtype="bfloat16", precision="bf16-autocast")
     inner = model.model
-    assert inner.embed_tokens.weight.dtype == inner.norm.weight.dtype == torch.float32
-    assert inner.layers[0].input_layernorm.weight.dtype == torch.float32
-    assert {p.dtype for n, p in model.named_parameters() if "proj" in n} == {torch.bfloat16}
+    assert inner.norm.weight.dtype == inner.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert {p.dtype for n, p in model.named_parameters() if "norm" not in n} == {torch.bfloat16}
+    assert inner.embed_tokens(torch.tensor([[1, 2]])).dtype == torch.float32  # the stream
+    _learner(model, master_dtype="bfloat16", precision="bf16-autocast")  # idempotent
+    assert len(inner.embed_tokens._forward_hooks) == 1
     engine = NativeEngine(model, eos_token_ids=[2], dtype="bfloat16")
     decoder = engine.decoder
     assert decoder.shared and not decoder._linears  # projections read in place
-    lm_head = model.get_output_embeddings()
-    assert decoder._tensors[inner.embed_tokens].dtype == torch.bfloat16
-    if lm_head.weight is inner.embed_tokens.weight:  # tied: one copy serves both
-        assert decoder._tensors[lm_head] is decoder._tensors[inner.embed_tokens]
+    assert set(decoder._tensors) == {m for m in model.modules() if "RMSNorm" in type(m).__name__}
+    assert inner.embed_tokens not in decoder._tensors  # the bfloat16 table, read in place
     prompts = [[1, 5, 9, 14], [1, 30, 31]]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -461,7 +462,7 @@ def test_autocast_bfloat16_learner_keeps_a_float32_stream(tiny_llama, random_tra
 
     before = logprobs(engine)
     learner.update(_batch(random_trajectories))
-    assert inner.embed_tokens.weight.dtype == torch.float32  # the update keeps the dtypes
+    assert inner.norm.weight.dtype == torch.float32  # the update keeps the dtypes
     engine.publish(1)
     after = logprobs(engine)
     assert after != before

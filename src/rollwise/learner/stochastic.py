@@ -157,17 +157,28 @@ class StochasticAdamW(torch.optim.Optimizer):
 
 def bfloat16_master(model: torch.nn.Module, keep_stream: bool) -> None:
     """The model's parameters in bfloat16 (`learner.master_dtype = "bfloat16"`), in place.
-    With `keep_stream` (a bf16-autocast learner) the embeddings and the norms' gains stay
-    float32: the residual stream they start and scale is then float32, as under autocast
-    over float32 weights, while every product reads bfloat16 weights as it would there.
-    All-bfloat16 (the residual stream rounded to 8 bits at every layer) cost the quickstart
-    10 points (53.5% against 64.0%); the float32 stream recovers them (docs/performance.md).
-    Idempotent."""
+    With `keep_stream` (a bf16-autocast learner) the residual stream is float32, as under
+    autocast over float32 weights: the embeddings' outputs are cast to float32 (a forward
+    hook; the tables stay bfloat16, so a tied output layer and the engine read them in
+    place) and the norms' gains stay float32, while every product reads bfloat16 weights as
+    it would there. All-bfloat16 (the stream rounded to 8 bits at every layer) cost the
+    quickstart 7.5 points (53.5% against 61.0%, docs/performance.md). Idempotent."""
     model.to(torch.bfloat16)
-    if keep_stream:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding) or is_norm(module):
-                module.float()
+    if not keep_stream:
+        return
+    for module in model.modules():
+        if is_norm(module):
+            module.float()
+        elif isinstance(module, torch.nn.Embedding) and not getattr(module, _STREAM, False):
+            module.register_forward_hook(_float_output)
+            setattr(module, _STREAM, True)
+
+
+_STREAM = "_rollwise_float32_stream"
+
+
+def _float_output(module, args, output):
+    return output.float()
 
 
 def is_norm(module: torch.nn.Module) -> bool:
