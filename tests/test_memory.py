@@ -409,17 +409,11 @@ def test_bfloat16_learner_resumes_bit_for_bit(tiny_llama, random_trajectories, t
         assert p.dtype == torch.bfloat16 and torch.equal(p, q)
 
 
-def test_engine_reads_the_bfloat16_learner_in_place(tiny_llama, random_trajectories) -> None:
-    """A bfloat16 engine over a bfloat16 learner's model takes no converted copy (`shared`,
-    no converted tensors): after an update its next log-probs change, and equal those of an
-    engine built afresh on the updated weights."""
+def _assert_engine_follows(engine, learner, model, trajectories, publish=False) -> None:
+    """After an update (and a publication, when the engine converts something) the engine's
+    greedy log-probs change, and equal an engine's built afresh on the updated weights."""
     from rollwise.engine import NativeEngine, SamplingParams
 
-    model = tiny_llama()
-    learner = _learner(model, lr=1e-2, master_dtype="bfloat16")
-    engine = NativeEngine(model, eos_token_ids=[2], dtype="bfloat16")
-    assert engine.decoder.shared
-    assert not engine.decoder._tensors and not engine.decoder._linears
     prompts = [[1, 5, 9, 14], [1, 30, 31]]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -427,10 +421,26 @@ def test_engine_reads_the_bfloat16_learner_in_place(tiny_llama, random_trajector
         return [c.logprobs for c in e.generate(prompts, greedy)]
 
     before = logprobs(engine)
-    learner.update(_batch(random_trajectories))
+    learner.update(_batch(trajectories))
+    if publish:
+        engine.publish(1)
     after = logprobs(engine)
     assert after != before
     assert after == logprobs(NativeEngine(model, eos_token_ids=[2], dtype="bfloat16"))
+
+
+def test_engine_reads_the_bfloat16_learner_in_place(tiny_llama, random_trajectories) -> None:
+    """A bfloat16 engine over a bfloat16 learner's model takes no converted copy (`shared`,
+    no converted tensors): after an update its next log-probs change, and equal those of an
+    engine built afresh on the updated weights."""
+    from rollwise.engine import NativeEngine
+
+    model = tiny_llama()
+    learner = _learner(model, lr=1e-2, master_dtype="bfloat16")
+    engine = NativeEngine(model, eos_token_ids=[2], dtype="bfloat16")
+    assert engine.decoder.shared
+    assert not engine.decoder._tensors and not engine.decoder._linears
+    _assert_engine_follows(engine, learner, model, random_trajectories)
 
 
 def test_autocast_bfloat16_learner_keeps_a_float32_stream(tiny_llama, random_trajectories) -> None:
@@ -439,7 +449,7 @@ def test_autocast_bfloat16_learner_keeps_a_float32_stream(tiny_llama, random_tra
     float32. The engine still reads every projection and the embedding in place and converts
     only the norm gains, again at each publication: after an update its log-probs equal an
     engine's built afresh on the updated weights."""
-    from rollwise.engine import NativeEngine, SamplingParams
+    from rollwise.engine import NativeEngine
 
     model = tiny_llama()
     learner = _learner(model, lr=1e-2, master_dtype="bfloat16", precision="bf16-autocast")
@@ -454,19 +464,8 @@ def test_autocast_bfloat16_learner_keeps_a_float32_stream(tiny_llama, random_tra
     assert decoder.shared and not decoder._linears  # projections read in place
     assert set(decoder._tensors) == {m for m in model.modules() if "RMSNorm" in type(m).__name__}
     assert inner.embed_tokens not in decoder._tensors  # the bfloat16 table, read in place
-    prompts = [[1, 5, 9, 14], [1, 30, 31]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-    def logprobs(e):
-        return [c.logprobs for c in e.generate(prompts, greedy)]
-
-    before = logprobs(engine)
-    learner.update(_batch(random_trajectories))
+    _assert_engine_follows(engine, learner, model, random_trajectories, publish=True)
     assert inner.norm.weight.dtype == torch.float32  # the update keeps the dtypes
-    engine.publish(1)
-    after = logprobs(engine)
-    assert after != before
-    assert after == logprobs(NativeEngine(model, eos_token_ids=[2], dtype="bfloat16"))
 
 
 def test_update_frees_gradients_and_can_release_the_heap(tiny_llama, random_trajectories,
