@@ -116,6 +116,31 @@ def test_greedy_equals_argmax_loop_with_full_forward() -> None:
     assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) <= 4
 
 
+def test_a_bfloat16_learners_float32_stream_runs_under_autocast(model) -> None:
+    """A model as a bfloat16 learner under autocast keeps it (bfloat16 projections and
+    table, float32 norm gains, float32 embedding output) cannot run its products without
+    autocast; the engine runs it as the learner does: greedy tokens equal an argmax loop of
+    the full forward pass under bfloat16 autocast."""
+    from rollwise.learner.stochastic import bfloat16_master
+
+    bfloat16_master(model, keep_stream=True)
+    prompts = [[1, 5, 9, 14], [1, 30, 31]]
+    with pytest.raises(RuntimeError):  # the mixed dtypes, without autocast
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompts[0]]))
+
+    def reference(prompt):
+        seq = list(prompt)
+        for _ in range(6):
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(prompt):]
+
+    outs = _engine(model).generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                           ignore_eos=True))
+    assert [c.token_ids for c in outs] == [reference(p) for p in prompts]
+
+
 # -- completions: order, finish reasons, seeds ---------------------------------------------------
 
 

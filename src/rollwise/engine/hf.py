@@ -9,6 +9,8 @@ stays O(B x V) whatever the response length.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -86,9 +88,10 @@ class HFEngine:
             **neutral)
         was_training = self.model.training
         self.model.eval()
-        seqs = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                   generation_config=config,
-                                   logits_processor=LogitsProcessorList([recorder]))
+        with _stream_autocast(self.model, device):
+            seqs = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                       generation_config=config,
+                                       logits_processor=LogitsProcessorList([recorder]))
         self.model.train(was_training)
         new = seqs[:, width:].cpu()
         recorder.gather_last(new[:, -1].to(recorder.last.device))
@@ -107,3 +110,15 @@ class HFEngine:
                     break
         return Completion(prompt_index=index, token_ids=toks[:end],
                           logprobs=logprobs[:end].tolist(), finish_reason=reason)
+
+
+def _stream_autocast(model, device: torch.device):
+    """bfloat16 autocast for a model whose projections are bfloat16 and whose residual
+    stream is float32 (its norm gains float32: a bfloat16 learner under autocast keeps them
+    so, learner/stochastic.py), as that learner runs it; otherwise nothing."""
+    table = model.get_input_embeddings().weight
+    stream = any(type(m).__name__.endswith("RMSNorm") and m.weight.dtype == torch.float32
+                 for m in model.modules())
+    if table.dtype == torch.bfloat16 and stream:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
