@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollwise.engine.hf import stream_autocast
 from rollwise.engine.kvcache import KVCache
 from rollwise.engine.projections import Dense, Int8Dense
 
@@ -154,8 +155,7 @@ class Decoder:
         self.int8 = dtype == torch.int8  # int8 projections, float32 everything else
         self.dtype = torch.float32 if self.int8 else (dtype or weight.dtype)
         self.device = resolve_device(device if device is not None else weight.device)
-        # shared: the projections are read in place (an embedding or norm gain in another
-        # precision, as a bfloat16 learner's float32 stream keeps them, is a converted copy)
+        # shared: the projections read in place (other tensors may be converted copies)
         proj = self.layers[0].mlp.down_proj.weight
         self.shared = (self.dtype == proj.dtype and self.device == resolve_device(proj.device)
                        and not self.int8 and not own_weights)
@@ -230,18 +230,13 @@ class Decoder:
         return time.perf_counter() - start + (taken.seconds if taken is not None else 0.0)
 
     def _convert_mismatched(self) -> None:
-        """A shared decoder's copies of the tensors it reads that are not in its precision
-        (none, unless the embeddings and norms are float32 beside bfloat16 projections); a
-        tied output layer reads the embedding's copy."""
-        copies: dict[int, torch.Tensor] = {}
+        """A shared decoder's copies of what it reads in another precision (a bfloat16
+        learner's float32 norm gains)."""
         for m in (*self._plain(), self.lm_head):
             w = m.weight
-            if w.dtype == self.dtype and resolve_device(w.device) == self.device:
-                continue
-            if w.data_ptr() not in copies:
-                copies[w.data_ptr()] = _into(self._tensors.get(m),
-                                             w.detach().to(self.device, self.dtype))
-            self._tensors[m] = copies[w.data_ptr()]
+            if w.dtype != self.dtype or resolve_device(w.device) != self.device:
+                new = w.detach().to(self.device, self.dtype)
+                self._tensors[m] = _into(self._tensors.get(m), new)
 
     def _converted(self):
         """The weights in this decoder's precision and layout, one tensor or projection at
@@ -290,7 +285,8 @@ class Decoder:
         tokens = torch.randint(0, self.embed.weight.shape[0], (2, 32), generator=gen)
         hooks = [m.register_forward_pre_hook(record) for m in self._int8_inputs()]
         try:
-            out = self.hf.model(input_ids=tokens.to(self.embed.weight.device))
+            with stream_autocast(self.hf, self.embed.weight.device):
+                out = self.hf.model(input_ids=tokens.to(self.embed.weight.device))
         finally:
             for h in hooks:
                 h.remove()
@@ -500,3 +496,4 @@ def _effective_weight(m: nn.Module) -> torch.Tensor:
             if name in getattr(m, "lora_A", {}):
                 w += m.get_delta_weight(name).to(w.dtype)
     return w
+

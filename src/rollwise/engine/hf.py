@@ -88,7 +88,7 @@ class HFEngine:
             **neutral)
         was_training = self.model.training
         self.model.eval()
-        with _stream_autocast(self.model, device):
+        with stream_autocast(self.model, device):
             seqs = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                        generation_config=config,
                                        logits_processor=LogitsProcessorList([recorder]))
@@ -112,7 +112,7 @@ class HFEngine:
                           logprobs=logprobs[:end].tolist(), finish_reason=reason)
 
 
-def _stream_autocast(model, device: torch.device):
+def stream_autocast(model, device: torch.device):
     """bfloat16 autocast for a model whose projections are bfloat16 and whose residual
     stream is float32 (its norm gains float32: a bfloat16 learner under autocast keeps them
     so, learner/stochastic.py), as that learner runs it; otherwise nothing."""
