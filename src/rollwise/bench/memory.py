@@ -170,12 +170,12 @@ def command(*, json: Path | None, shape: list[str] | None, kind: list[str] | Non
             checkpointing: bool, response_len: int, steps: int, threads: int,
             allocator: str = "reuse") -> None:
     """`rollwise bench memory`: run it, print the tables, write `json` (and its page)."""
-    from rollwise.system.runtime import configure
+    from rollwise.system.runtime import ALLOCATORS, configure
 
+    if allocator not in (*ALLOCATORS, "system"):
+        raise typer.BadParameter(f"unknown allocator '{allocator}'; known: "
+                                 f"{', '.join(ALLOCATORS)}, system")
     threads = configure(threads)
-    if allocator not in ("reuse", "compact", "system"):
-        raise typer.BadParameter(f"unknown allocator '{allocator}'; known: reuse, compact, "
-                                 "system")
     bad = [k for k in kind or [] if k not in ("full", "lora")]
     if bad:
         raise typer.BadParameter(f"unknown kind(s) {bad}; known: full, lora")

@@ -496,4 +496,3 @@ def _effective_weight(m: nn.Module) -> torch.Tensor:
             if name in getattr(m, "lora_A", {}):
                 w += m.get_delta_weight(name).to(w.dtype)
     return w
-

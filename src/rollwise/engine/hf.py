@@ -117,7 +117,8 @@ def stream_autocast(model, device: torch.device):
     stream is float32 (its norm gains float32: a bfloat16 learner under autocast keeps them
     so, learner/stochastic.py), as that learner runs it; otherwise nothing."""
     table = model.get_input_embeddings().weight
-    stream = any(type(m).__name__.endswith("RMSNorm") and m.weight.dtype == torch.float32
+    stream = any(type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
+                 and m.weight.dtype == torch.float32
                  for m in model.modules())
     if table.dtype == torch.bfloat16 and stream:
         return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -46,8 +46,8 @@ from rollwise.algos import aggregate, is_zero_at_zero_advantage
 from rollwise.learner.batch import micro_batches, take_rows
 from rollwise.learner.logprobs import token_logprobs
 from rollwise.learner.memory import enable_checkpointing, fit_budget, reference_copy
-from rollwise.learner.stochastic import bfloat16_master
 from rollwise.learner.optim import build_optimizer, load_plain_state, plain_state
+from rollwise.learner.stochastic import bfloat16_master
 from rollwise.system.runtime import trim_heap
 from rollwise.types import Batch, Published
 

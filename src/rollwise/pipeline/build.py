@@ -43,11 +43,11 @@ from rollwise.compose.precision import PrecisionChoice
 from rollwise.control import Controller, UniformSampler
 from rollwise.engine.base import Engine
 from rollwise.learner.sft import SftSettings
+from rollwise.learner.stochastic import bfloat16_master
 from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Episodes, Evaluator, Generated
 from rollwise.pipeline.stages import BuildInfo, Stages, encode_prompts
 from rollwise.rewards import RewardPool, RewardSpec
-from rollwise.learner.stochastic import bfloat16_master
 from rollwise.system.runtime import configure as configure_runtime, free_cores
 from rollwise.tasks import Task
 from rollwise.types import EncodedPrompt
