@@ -154,6 +154,27 @@ def test_abort_then_resume_continues_exactly(model, temperature) -> None:
     assert got.versions == [0] * k + [1] * (20 - k)
 
 
+def test_released_cache_is_freed_and_regrown_with_the_same_outputs(model) -> None:
+    """`release_cache` frees the key/value regions only while nothing waits or runs; the
+    next call grows them again and samples exactly what a fresh engine samples."""
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5)
+    want = _native(model).generate(PROMPTS, params)
+    engine = _native(model)
+    first = engine.generate(PROMPTS, params)
+    assert engine.cache.nbytes() > 0
+    rid = engine.submit(PROMPTS[0], params, seed=1)
+    engine.step()
+    held = engine.cache.nbytes()
+    assert engine.release_cache() == 0 and engine.cache.nbytes() == held  # busy: kept
+    engine.abort(rid)
+    assert engine.release_cache() == held
+    assert engine.cache.nbytes() == 0 and engine.kv_tokens() == 0
+    again = engine.generate(PROMPTS, params)
+    for got in (first, again):
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.logprobs for c in got] == [c.logprobs for c in want]  # the same arithmetic
+
+
 def test_token_budget_never_exceeded_and_overload_completes(model) -> None:
     params = SamplingParams(n=5, temperature=1.0, max_tokens=30, seed=1, ignore_eos=True)
     want = _native(model).generate(PROMPTS, params)

@@ -81,6 +81,13 @@ class Engine(Protocol):
         ...
 
 
+def release_cache(engine: Engine | None) -> int:
+    """Free an idle engine's key/value memory, where it keeps any (the native engine's
+    `release_cache`); the bytes freed."""
+    release = getattr(engine, "release_cache", None)
+    return release() if release is not None else 0
+
+
 @runtime_checkable
 class RequestEngine(Engine, Protocol):
     """The request-level contract: what the rollout scheduler drives one step at a time

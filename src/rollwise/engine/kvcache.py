@@ -102,5 +102,14 @@ class KVCache:
             k[row, :, :n] = saved[layer, 0]
             v[row, :, :n] = saved[layer, 1]
 
+    def release(self) -> int:
+        """Free both regions (nothing may live in them); the bytes freed. They grow again on
+        the next request, as from a fresh cache."""
+        freed = self.nbytes()
+        if freed:
+            self._alloc("p", 0, 0)
+            self._alloc("r", 0, 0)
+        return freed
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.pk, *self.pv, *self.rk, *self.rv))

@@ -117,6 +117,16 @@ class NativeEngine:
         self.admission.evict_idle_prefixes(keep=None)
         self.admission.follow_weights(self.decoder.generation)
 
+    def release_cache(self) -> int:
+        """Free the key/value cache while no request waits or runs (between a step's rollouts
+        and its update, after an evaluation); the bytes freed (0 while busy). Idle prompts go
+        with it (recomputed if asked again); retained conversations are kept aside as they
+        were."""
+        if self.admission.requests or self.admission.rows:
+            return 0
+        self.admission.evict_idle_prefixes(keep=None)
+        return self.cache.release()
+
     # -- requests --------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams, *, seed: int | None = None,

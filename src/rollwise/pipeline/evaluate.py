@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from math import comb
 from typing import Any, Protocol
 
-from rollwise.engine.base import Engine, SamplingParams
+from rollwise.engine.base import Engine, SamplingParams, release_cache
 from rollwise.observe import progress_bar
 from rollwise.rewards import RewardPool, RewardStats
 from rollwise.rollout import generate_groups
@@ -126,6 +126,7 @@ class Evaluator:
         if sampled is not None:
             out.update(self._sampled_metrics(sampled))
         out.update(self._per_task(greedy, sampled or []))
+        release_cache(self.engine)  # idle until the next evaluation, under new weights
         out["seconds"] = time.perf_counter() - start
         return out
 

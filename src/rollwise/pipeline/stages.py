@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from rollwise.control import Controller, Request, UniformSampler
+from rollwise.engine.base import release_cache
 from rollwise.envs.render import TurnRenderer
 from rollwise.learner import prepare_batch
 from rollwise.learner.sft import SftSettings, encode_demonstration, read_demonstrations, train_sft
@@ -72,6 +73,9 @@ class Stages:
     kl_in_reward: float = 0.0  # KL coefficient of the KL-in-reward penalty (0: off)
     resources: list[Closeable] = field(default_factory=list)  # closed with the stages
     sft: tuple[str, SftSettings] | None = None  # demonstrations before RL (path, settings)
+    # free the engine's key/value cache before each update (learner.release_memory, and no
+    # rollout running beside the update)
+    release_engine_cache: bool = False
     # batches a checkpoint kept, collected for the steps after its own (plain data,
     # `loop.Collected.to_plain`), held from `load_state_dict` until the asynchronous
     # driver takes them to train first (asyncloop.take_kept)
@@ -133,6 +137,8 @@ class Stages:
             reference_kl=self.learner.reference_kl, kl_coef=self.kl_in_reward)
 
     def update(self, batch: Batch) -> dict[str, float]:
+        if self.release_engine_cache:  # the update's activations reuse the rollouts' memory
+            release_cache(getattr(self.rollout_stage, "engine", None))
         return self.learner.update(batch)
 
     def publish(self, version: int) -> dict[str, float]:
