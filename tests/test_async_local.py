@@ -107,11 +107,13 @@ def test_in_process_async_needs_the_native_engine(tmp_path):
                                "engine.name='hf'"))
 
 
-def _train_seeing_caches(cfg, name: str):
+def _train_seeing_caches(cfg, name: str, *, release: bool = True):
     """Train `cfg`; the rollout engine's key/value bytes at each update's start, the
     evaluator's after each evaluation, the run's records and the stages."""
     cfg.run.name = name
     stages = build(cfg)
+    built_to_release = stages.release_engine_cache
+    stages.release_engine_cache &= release
     rollout, evaluator = stages.rollout_stage.engine, stages.evaluator.engine
     at_update, after_eval = [], []
     update, evaluate = stages.learner.update, stages.evaluate
@@ -129,21 +131,19 @@ def _train_seeing_caches(cfg, name: str):
     run = Run(Path(cfg.run.output_dir) / name, resume=False, config_toml=to_toml(cfg),
               echo=lambda s: None)
     train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every, steps=run_steps(cfg))
-    return at_update, after_eval, records(Path(cfg.run.output_dir) / name), stages
+    return at_update, after_eval, records(Path(cfg.run.output_dir) / name), built_to_release
 
 
-def test_release_memory_frees_idle_engine_caches_and_changes_nothing(tmp_path):
-    """With `learner.release_memory` a synchronous update runs with the rollout engine's
-    key/value cache freed (its memory is the update's to reuse), and every evaluation frees
-    its engine's cache; the records are those of a run without it, number for number. In
-    process with staleness 1 the producer's cache is in use during updates and is kept."""
-    kept, evals, plain, _ = _train_seeing_caches(small(tmp_path), "plain")
-    freed, evals_freed, released, _ = _train_seeing_caches(
-        small(tmp_path, "learner.release_memory=true"), "released")
-    assert min(kept) > 0 and freed == [0] * len(kept)
-    assert evals == evals_freed == [0, 0, 0]  # steps 0, 2, 3
+def test_idle_engine_caches_are_freed_and_change_nothing(tmp_path):
+    """A synchronous update runs with the rollout engine's key/value cache freed (its memory
+    is the update's to reuse), and every evaluation frees its engine's cache; the records
+    are those of a run that keeps the cache, number for number. In process with staleness
+    1 the producer's cache is in use during updates and is kept."""
+    kept, _, plain, _ = _train_seeing_caches(small(tmp_path), "kept", release=False)
+    freed, evals, released, built = _train_seeing_caches(small(tmp_path), "released")
+    assert built and min(kept) > 0 and freed == [0] * len(kept)
+    assert evals == [0, 0, 0]  # steps 0, 2, 3
     assert_same_metrics(plain, released)
-    busy, _, _, stages = _train_seeing_caches(
-        small(tmp_path, "learner.release_memory=true", "schedule.mode='async'",
-              "schedule.max_staleness=1"), "async")
-    assert len(busy) == 3 and not stages.release_engine_cache
+    busy, _, _, built = _train_seeing_caches(
+        small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1"), "async")
+    assert len(busy) == 3 and not built

@@ -169,7 +169,9 @@ def test_released_cache_is_freed_and_regrown_with_the_same_outputs(model) -> Non
     engine.abort(rid)
     assert engine.release_cache() == held
     assert engine.cache.nbytes() == 0 and engine.kv_tokens() == 0
+    epoch = engine.cache.epoch
     again = engine.generate(PROMPTS, params)
+    assert engine.cache.epoch == epoch + 2  # each region allocated once, at its former size
     for got in (first, again):
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         assert [c.logprobs for c in got] == [c.logprobs for c in want]  # the same arithmetic

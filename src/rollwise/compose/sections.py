@@ -412,8 +412,7 @@ class LearnerConfig(Section):
         "with stochastic rounding, the learner computes in bfloat16 and a bfloat16 engine "
         "reads the weights in place (no copy; docs/performance.md, Memory).")
     release_memory: bool = Field(
-        False, description="Free the gradients after each optimizer step, the rollout "
-        "engine's key/value cache before each update (synchronous runs), and give the "
+        False, description="Free the gradients after each optimizer step and give the "
         "memory an update freed back to the system (glibc malloc_trim): the resident set "
         "stays near the live tensors instead of growing over steps (docs/performance.md, "
         "Memory); pages are faulted in again.")

@@ -29,6 +29,7 @@ class KVCache:
         self.pv: list[torch.Tensor] = []
         self.rk: list[torch.Tensor] = []
         self.rv: list[torch.Tensor] = []
+        self._released: dict[str, tuple[int, int]] = {}  # region -> (slots, length) it had
         self._alloc("p", 0, 0)
         self._alloc("r", 0, 0)
 
@@ -56,19 +57,22 @@ class KVCache:
     def _grow(have: int, need: int, step: int) -> int:
         return have if need <= have else _round_up(max(need, int(have * 1.5)), step)
 
+    def _ensure(self, region: str, slots: int, length: int) -> None:
+        t = (self.pk if region == "p" else self.rk)[0]
+        s, n = t.shape[0], t.shape[2]
+        if s == 0 and region in self._released:  # at once to the size it had, not by steps
+            s, n = (max(a, b) for a, b in zip((s, n), self._released.pop(region)))
+        ns, nn = self._grow(s, slots, 8), self._grow(n, length, 64)
+        if (ns, nn) != (t.shape[0], t.shape[2]):
+            self._alloc(region, ns, nn)
+
     def ensure_prefix(self, slots: int, length: int) -> None:
         """Room for `slots` groups of prompts up to `length` tokens."""
-        s, n = self.pk[0].shape[0], self.pk[0].shape[2]
-        ns, nn = self._grow(s, slots, 8), self._grow(n, length, 64)
-        if (ns, nn) != (s, n):
-            self._alloc("p", ns, nn)
+        self._ensure("p", slots, length)
 
     def ensure_rows(self, slots: int, length: int) -> None:
         """Room for `slots` rows of up to `length` own tokens each."""
-        s, n = self.rk[0].shape[0], self.rk[0].shape[2]
-        ns, nn = self._grow(s, slots, 8), self._grow(n, length, 64)
-        if (ns, nn) != (s, n):
-            self._alloc("r", ns, nn)
+        self._ensure("r", slots, length)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         for k, v in zip(self.rk, self.rv):
@@ -103,12 +107,14 @@ class KVCache:
             v[row, :, :n] = saved[layer, 1]
 
     def release(self) -> int:
-        """Free both regions (nothing may live in them); the bytes freed. They grow again on
-        the next request, as from a fresh cache."""
+        """Free both regions (nothing may live in them); the bytes freed. The next request
+        allocates each region again at the size it had (one allocation, not the steps of
+        growing a fresh cache)."""
         freed = self.nbytes()
-        if freed:
-            self._alloc("p", 0, 0)
-            self._alloc("r", 0, 0)
+        for region, t in (("p", self.pk[0]), ("r", self.rk[0])):
+            if t.numel():
+                self._released[region] = (t.shape[0], t.shape[2])
+                self._alloc(region, 0, 0)
         return freed
 
     def nbytes(self) -> int:

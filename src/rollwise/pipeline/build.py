@@ -121,7 +121,7 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
         group_rewards=build_group_terms(cfg, rewards or {}), mask_truncated=a.mask_truncated,
         kl_in_reward=a.kl_coef if a.kl_in_reward else 0.0,
         resources=[*resources, scoring.eval_pool], sft=_sft(cfg, precision),
-        release_engine_cache=cfg.learner.release_memory and not overlaps_in_process(cfg))
+        release_engine_cache=not overlaps_in_process(cfg))
 
 
 def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,

@@ -73,8 +73,8 @@ class Stages:
     kl_in_reward: float = 0.0  # KL coefficient of the KL-in-reward penalty (0: off)
     resources: list[Closeable] = field(default_factory=list)  # closed with the stages
     sft: tuple[str, SftSettings] | None = None  # demonstrations before RL (path, settings)
-    # free the engine's key/value cache before each update (learner.release_memory, and no
-    # rollout running beside the update)
+    # free the rollout engine's key/value cache before each update (no rollout runs beside
+    # it: not in-process asynchronous training)
     release_engine_cache: bool = False
     # batches a checkpoint kept, collected for the steps after its own (plain data,
     # `loop.Collected.to_plain`), held from `load_state_dict` until the asynchronous
