@@ -67,4 +67,26 @@ def test_smollm2_converted_logits_equal_the_gguf_model():
         a = policy.model(torch.tensor([ids])).logits
         b = reference(torch.tensor([ids])).logits
     assert torch.equal(a, b)
+    assert getattr(policy.model, "hf_quantizer", None) is None  # plain floats, no GGUF quantizer
     assert policy.chat and policy.stop_ids == [policy.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_converted_config_loses_only_the_gguf_quantization(tmp_path):
+    """The converted SmolLM2 folder holds plain float weights: its config must not send
+    every later load through transformers' GGUF quantizer (a cache written before the fix is
+    rewritten in place)."""
+    import json
+
+    from rollwise.models.smollm2 import drop_gguf_quantization
+
+    config = {"model_type": "llama", "hidden_size": 8,
+              "quantization_config": {"quant_method": "gguf", "dequantize": False}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert drop_gguf_quantization(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"hidden_size": 8,
+                                                                 "model_type": "llama"}
+    assert not drop_gguf_quantization(tmp_path)  # nothing left to drop
+    other = {"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes"}}
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    assert not drop_gguf_quantization(tmp_path)  # another method's config is left alone
+    assert json.loads((tmp_path / "config.json").read_text()) == other

@@ -12,6 +12,7 @@ of a 4-bit file, de-quantized: slightly weaker than the original bf16 release.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -34,10 +35,25 @@ def gguf_dir() -> Path:
     return folder
 
 
+def drop_gguf_quantization(folder: Path) -> bool:
+    """Remove the GGUF `quantization_config` that the converted config inherits (its
+    weights are plain floats): with it, transformers attaches its GGUF quantizer to every
+    load and warns that a bfloat16 load is slow. Rewritten atomically; whether it was there."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", {}).get("quant_method") != "gguf":
+        return False
+    tmp = path.with_name(f"config.json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return True
+
+
 def converted_dir() -> Path:
     """The cached safetensors directory, converted from the GGUF on first use."""
     out = cache_root() / "models" / "smollm2-135m-instruct"
     if (out / "model.safetensors").is_file():
+        drop_gguf_quantization(out)  # a cache converted before this was fixed
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,6 +68,7 @@ def converted_dir() -> Path:
     fresh.generation_config = loaded.generation_config
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     fresh.save_pretrained(tmp)
+    drop_gguf_quantization(tmp)
     tokenizer.save_pretrained(tmp)
     try:
         tmp.rename(out)
