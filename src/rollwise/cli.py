@@ -11,6 +11,7 @@ import typer
 from typer.core import TyperGroup
 
 from rollwise.compose.config import ConfigError, load_config
+from rollwise.system.preload import allow_rerun, preload_allocator
 
 
 def _tidy_help(command) -> None:
@@ -149,6 +150,7 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
         if config is None:
             _fail("give a config file, e.g. rollwise train configs/tiny_arith.toml")
         cfg = load_config(config, set_)
+    preload_allocator(cfg.run.allocator)  # may run this command again, with jemalloc
     opened = open_run(cfg, resume=resume, allow_changes=allow_changes,
                       echo=lambda s: console.print(s, highlight=False, soft_wrap=True),
                       warn=lambda s: console.print(s, style="yellow", highlight=False,
@@ -174,6 +176,7 @@ def _stages_to_evaluate(target: Path, set_: list[str]):
     is_run = target.is_dir()
     try:
         cfg = load_config(target / "config.toml" if is_run else target, set_)
+        preload_allocator(cfg.run.allocator)  # may run this command again, with jemalloc
         stages = build(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -321,6 +324,7 @@ def serve(model: Annotated[str, typer.Option(
 def main() -> None:
     """The console entry point: an operating-system failure anywhere (disk full, permission,
     a file in the way) is one line with what to do, not a traceback."""
+    allow_rerun()
     try:
         app()
     except OSError as e:

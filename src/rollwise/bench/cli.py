@@ -250,8 +250,8 @@ def memory(json: JsonOpt = None,
            response_len: Annotated[int, typer.Option(help="Response tokens per row.")] = 64,
            steps: Annotated[int, typer.Option(help="Updates per case (>= 2).")] = 2,
            allocator: Annotated[str, typer.Option(
-               help="run.allocator of each case (reuse, compact), or system: glibc's own "
-               "settings.")] = "reuse",
+               help="run.allocator of each case (reuse, jemalloc, compact), or system: "
+               "glibc's own settings.")] = "reuse",
            threads: ThreadsOpt = 0):
     """Peak resident set and update time of random-init models of real shapes, full
     fine-tuning and LoRA, each case in its own process."""

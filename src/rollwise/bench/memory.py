@@ -13,6 +13,7 @@ learning.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def run(shapes: tuple[str, ...] = ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b"),
             try:
                 out = subprocess.run([sys.executable, "-m", "rollwise.bench.memory", args],
                                      capture_output=True, text=True, timeout=timeout_s,
-                                     check=False)
+                                     check=False, env=_case_env(options.get("allocator")))
                 lines = out.stdout.strip().splitlines()
                 row = json.loads(lines[-1]) if out.returncode == 0 and lines else {
                     "shape": shape, "kind": kind,
@@ -162,8 +163,20 @@ if __name__ == "__main__":
     opts.pop("threads", None)
     allocator = opts.pop("allocator", "system")
     if allocator != "system":  # "system": glibc's own settings, as tables before 2026-12-05
-        tune_allocator(allocator)
+        allocator = tune_allocator(allocator)
     print(json.dumps(case(**opts) | {"allocator": allocator}))
+
+
+def _case_env(allocator: str | None) -> dict[str, str]:
+    """A case's environment: jemalloc preloaded for 'jemalloc', as the rollwise commands
+    run."""
+    from rollwise.system.preload import jemalloc_library, preload_env
+
+    library = jemalloc_library() if allocator == "jemalloc" else None
+    if allocator == "jemalloc" and library is None:
+        raise typer.BadParameter("--allocator jemalloc: no jemalloc library found (install "
+                                 "the ray extra, or set ROLLWISE_JEMALLOC)")
+    return preload_env(library) if library else dict(os.environ)
 
 
 def command(*, json: Path | None, shape: list[str] | None, kind: list[str] | None, precision: str,

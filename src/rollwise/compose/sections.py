@@ -38,11 +38,13 @@ class RunConfig(Section):
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1'.")
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: the cores not busy with "
                          "other work at start).")
-    allocator: Literal["reuse", "compact"] = Field(
-        "reuse", description="How the allocator trades memory for speed (glibc): 'reuse' "
-        "keeps freed memory for the next step (fast; the heap fragments), 'compact' returns "
-        "every freed tensor over 64 KiB (the resident set follows the live tensors; page "
-        "faults cost time; docs/performance.md).")
+    allocator: Literal["reuse", "jemalloc", "compact"] = Field(
+        "reuse", description="The C allocator: glibc's, tuned: 'reuse' keeps freed memory for "
+        "the next step (fast; the heap fragments), 'compact' returns every freed tensor over "
+        "64 KiB (the resident set follows the live tensors; page faults cost time); or "
+        "'jemalloc' (the rollwise commands run again with it preloaded: nearly compact's "
+        "memory, less of its time; the library Ray ships, or $ROLLWISE_JEMALLOC; "
+        "docs/performance.md).")
     overwrite: bool = Field(
         False, description="Replace an existing run directory of the same name (else -2, -3..)."
     )

@@ -48,7 +48,7 @@ from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Episodes, Evaluator, Generated
 from rollwise.pipeline.stages import BuildInfo, Stages, encode_prompts
 from rollwise.rewards import RewardPool, RewardSpec
-from rollwise.system.runtime import configure as configure_runtime, free_cores
+from rollwise.system.runtime import allocator_in_use, configure as configure_runtime, free_cores
 from rollwise.tasks import Task
 from rollwise.types import EncodedPrompt
 
@@ -111,6 +111,7 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
         trainable_parameters=sum(p.numel() for p in policy.model.parameters()
                                  if p.requires_grad),
         precision=precision.record(), precision_line=precision.line(),
+        allocator=allocator_in_use(),
         placement=_placement(cfg),
         task={**{k: v for _, x in scoring.extra for k, v in x.info.items()}, **task.info})
     return Stages(

@@ -174,7 +174,7 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
 
 def _echo_build(info: BuildInfo, echo: Callable[[str], None], warn: Callable[[str], None]) -> None:
     """The build's lines: the precision chosen, the sandbox of code tasks, prompts skipped."""
-    echo(info.precision_line)
+    echo(f"{info.precision_line} | allocator {info.allocator}")
     if "sandbox" in info.task:  # code tasks: what isolates model-written code here
         box = info.task["sandbox"]
         line = f"sandbox: {box['isolation']} ({'; '.join(box.get('layers', []))})"

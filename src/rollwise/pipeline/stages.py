@@ -44,6 +44,7 @@ class BuildInfo:
     trainable_parameters: int
     precision: dict[str, Any]  # the precision chosen for each part, and why
     precision_line: str
+    allocator: str = "system"  # the C allocator in use (system.runtime.tune_allocator)
     placement: dict[str, Any] = field(default_factory=dict)  # e.g. {"backend": "ray", ...}
     task: dict[str, Any] = field(default_factory=dict)  # the task's own (e.g. "sandbox")
 

@@ -13,46 +13,72 @@ from pathlib import Path
 
 import torch
 
+from rollwise.system.preload import jemalloc_loaded
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
-ALLOCATORS = ("reuse", "compact")
+ALLOCATORS = ("reuse", "jemalloc", "compact")
+def tune_allocator(mode: str = "reuse") -> str:
+    """Set how the C allocator trades memory for speed; the allocator in use: 'jemalloc',
+    'reuse', 'compact' or 'system' (not glibc, or left alone).
 
-
-def tune_allocator(mode: str = "reuse") -> bool:
-    """Set how glibc's allocator trades memory for speed (glibc only; elsewhere nothing).
-
-    By default glibc maps every allocation over its mmap threshold afresh and returns it on
-    free, so each decode step and each backward pass pays for page faults that zero fresh
-    pages (seen here as half the CPU time in the kernel; a training step about 1.5x slower).
+    With glibc, by default every allocation over its mmap threshold is mapped afresh and
+    returned on free, so each decode step and each backward pass pays for page faults that
+    zero fresh pages (half the CPU time in the kernel; a training step about 1.5x slower).
     `reuse` (rollwise's default) serves large tensors from the heap and keeps freed memory
     for reuse: fast, but the heap fragments, and the resident set ends well above the live
-    tensors (0.75 GB above them in a LoRA update of the quickstart, docs/performance.md).
-    `compact` does the opposite: every allocation over 64 KiB is mapped afresh and returned
-    when freed, and the heap's free top is trimmed past 1 MiB, so the resident set follows
-    the live tensors, at the page faults' cost. Set ROLLWISE_NO_MALLOPT=1 to leave the
-    allocator alone.
+    tensors (0.75 GB above them in a LoRA update of the quickstart). `compact` does the
+    opposite: every allocation over 64 KiB is mapped afresh and returned when freed, and
+    the heap's free top is trimmed past 1 MiB, so the resident set follows the live tensors,
+    at the page faults' cost. jemalloc (preloaded at start, `preload.preload_allocator`)
+    keeps freed blocks in size classes: nearly `compact`'s memory at a smaller cost in time
+    (docs/performance.md). A process that did not preload it (the Python API, a Ray actor)
+    asked for 'jemalloc' gets 'reuse'. ROLLWISE_NO_MALLOPT=1 leaves glibc alone.
     """
     if mode not in ALLOCATORS:
         raise ValueError(f"run.allocator must be one of {', '.join(ALLOCATORS)}, not '{mode}'")
+    _in_use["allocator"] = _tune(mode)
+    return _in_use["allocator"]
+
+
+_in_use = {"allocator": "system"}
+
+
+def allocator_in_use() -> str:
+    """What the last `tune_allocator` left in use (run headers and summaries show it)."""
+    return _in_use["allocator"]
+
+
+def _tune(mode: str) -> str:
+    if jemalloc_loaded():
+        return "jemalloc"
     if os.environ.get("ROLLWISE_NO_MALLOPT"):
-        return False
+        return "system"
+    mode = "compact" if mode == "compact" else "reuse"
     mmap_at, trim_at = (1 << 30, 1 << 31) if mode == "reuse" else (1 << 16, 1 << 20)
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
         ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_at) and libc.mallopt(_M_TRIM_THRESHOLD, trim_at)
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
-        return False
-    return bool(ok)
+        return "system"
+    return mode if ok else "system"
+
+
+_ALL_ARENAS = 4096  # jemalloc's MALLCTL_ARENAS_ALL
 
 
 def trim_heap() -> None:
-    """Give freed heap memory back to the system (glibc malloc_trim; elsewhere nothing), so
-    that a resident-set figure taken next counts live memory, not what `tune_allocator`
-    keeps for reuse."""
+    """Give freed heap memory back to the system (jemalloc: purge every arena; glibc:
+    malloc_trim; elsewhere nothing), so that a resident-set figure taken next counts live
+    memory, not what the allocator keeps for reuse."""
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        if jemalloc_loaded():  # its symbols are the process's own (preloaded)
+            ctypes.CDLL(None).mallctl(f"arena.{_ALL_ARENAS}.purge".encode(), None, None,
+                                      None, ctypes.c_size_t(0))
+        else:
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
