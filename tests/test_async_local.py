@@ -147,3 +147,39 @@ def test_idle_engine_caches_are_freed_and_change_nothing(tmp_path):
     busy, _, _, built = _train_seeing_caches(
         small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1"), "async")
     assert len(busy) == 3 and not built
+
+
+def test_the_staleness_bound_runs_on_the_producer_before_its_state_is_taken(tmp_path,
+                                                                            monkeypatch):
+    """Step k trains at version k, so the producer applies the bound itself: what
+    'regenerate' rolls out again never runs beside its own rollouts, and the stages' state a
+    checkpoint keeps with the batch is taken after it (the controller has seen the
+    regenerated groups)."""
+    import threading
+
+    from rollwise.pipeline import asyncloop
+    from rollwise.pipeline.stages import Stages
+
+    calls = []
+    real_bound, real_state = asyncloop.bound_staleness, Stages.stage_state
+
+    def bound(stages, batch, version, max_staleness, policy):
+        calls.append(("bound", threading.current_thread().name, version))
+        return real_bound(stages, batch, version, max_staleness, policy)
+
+    def state(self):
+        calls.append(("state", threading.current_thread().name, None))
+        return real_state(self)
+
+    monkeypatch.setattr(asyncloop, "bound_staleness", bound)
+    monkeypatch.setattr(Stages, "stage_state", state)
+    cfg = small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1",
+                "schedule.stale_policy='regenerate'")
+    _, _, out = _train(cfg, "bounded")
+    producer = [(kind, v) for kind, thread, v in calls if thread == "rollwise-producer"]
+    assert producer == [("bound", 0), ("state", None), ("bound", 1), ("state", None),
+                        ("bound", 2), ("state", None)]
+    assert all(thread == "rollwise-producer" for kind, thread, _ in calls if kind == "bound")
+    trains = [r for r in out if r["kind"] == "train"]
+    assert [r["stale_groups"] for r in trains] == [0, 0, 0]  # in process: never over S
+    assert all("rolled_staleness_hist_0" in r for r in trains)

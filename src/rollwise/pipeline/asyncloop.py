@@ -5,9 +5,13 @@ Built from the synchronous driver's two halves (`loop.collect`, `loop.learn`), n
     producer thread                        the caller's thread (trains)
     for step k:                            for step k:
       wait until version >= k - S            take step k's batch (wait while none is ready)
-      collect(k)   (select, roll out,        drop (or roll out again) groups whose oldest
-                    score, allocate)           token is more than S versions behind
-      queue it                               learn(k)   (advantages, update, publish k+1)
+      collect(k)   (select, roll out,        learn(k)   (advantages, update, publish k+1)
+                    score, allocate)
+      drop (or roll out again) the groups
+        whose oldest token is more than S
+        versions behind k (step k trains
+        at version k)
+      queue it
 
 `S = schedule.max_staleness` is AReaL's bound on off-policyness: the rollouts of step k start
 once the learner has published version k - S, so at most S updates happen between a
@@ -185,12 +189,13 @@ class AsyncSteps:
                 applied = self._handoff.apply() if self._handoff is not None else 0.0
                 timer = StepTimer()
                 batch = collect(self.stages, timer)
+                bounded = self._bound(batch, step, timer)
                 batch.phases = dict(timer.phases)
-                # the stages' state once this step's rollouts are taken: a checkpoint that
-                # keeps this batch (the last one ready) holds it
+                # the stages' state once this step's rollouts are taken (and any regenerated):
+                # a checkpoint that keeps this batch (the last one ready) holds it
                 batch.state = json.loads(json.dumps(self.stages.stage_state()))
                 batch.control = dict(batch.control, rollout_started_version=version,
-                                     weights_handoff_seconds=applied)
+                                     weights_handoff_seconds=applied, **bounded)
                 with self._cv:
                     self._ready[step] = batch
                     self._cv.notify_all()
@@ -198,6 +203,17 @@ class AsyncSteps:
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+
+    def _bound(self, batch: Collected, step: int, timer: StepTimer) -> dict[str, int]:
+        """The staleness bound, applied on this thread: step k trains at version k whenever
+        it trains, so the bound is known here. What 'regenerate' asks for is rolled out and
+        seen by the controller before the stages' state is taken (a checkpoint then holds
+        it), and never beside this thread's own rollouts. Its figures for the record."""
+        before = staleness_histogram(batch.kept, step)  # what was rolled out, bound aside
+        with timer("rollout"):
+            removed = bound_staleness(self.stages, batch, step, self.max_staleness,
+                                      self.stale_policy)
+        return {f"rolled_{k}": v for k, v in before.items()} | {"stale_groups": removed}
 
     # -- the training thread ---------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -213,14 +229,10 @@ class AsyncSteps:
         timer.phases["wait"] = time.perf_counter() - waited
         for name, seconds in batch.phases.items():  # overlapped with earlier steps
             timer.phases[name] = timer.phases.get(name, 0.0) + seconds
-        before = staleness_histogram(batch.kept, step)  # what was rolled out, bound aside
-        removed = bound_staleness(self.stages, batch, step, self.max_staleness,
-                                  self.stale_policy)
-        extra = {f"rolled_{k}": v for k, v in before.items()} | {
-            "queue_depth": depth, "stale_groups": removed}
         self._trained, self._after = step + 1, batch.state
         batch.state = None  # the snapshot's state is checkpoint_state's, at that instant
-        record = learn(self.stages, self.run, step, self.num_steps, batch, timer, extra)
+        record = learn(self.stages, self.run, step, self.num_steps, batch, timer,
+                       {"queue_depth": depth})
         with self._cv:
             self._version = step + 1
             self._cv.notify_all()
