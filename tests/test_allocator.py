@@ -15,6 +15,9 @@ import pytest
 
 from rollwise.system import preload, runtime
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_memory import FRAGMENT
+
 ROOT = Path(__file__).parents[1]
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or preload.jemalloc_library() is None,
@@ -55,28 +58,13 @@ def test_a_process_that_is_not_the_command_is_never_run_again() -> None:
     assert runtime.tune_allocator("jemalloc") in ("reuse", "system")  # glibc's, as it can
 
 
-FREED = """
-import torch
-from rollwise.system import runtime
-def rss():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
-assert runtime.tune_allocator("jemalloc") == "jemalloc"
-base = rss()
-bigs, smalls = [], []
-for _ in range(48):  # 8 MiB tensors, each followed by a small one that stays alive
-    bigs.append(torch.ones(2**21))
-    smalls.append(torch.ones(64))
-del bigs  # 384 MiB freed between live small blocks
-runtime.trim_heap()
-print((rss() - base) // 1024)
-"""
-
-
 def test_jemalloc_returns_what_a_run_frees() -> None:
+    """test_memory's fragmenting pattern under jemalloc, then the heap trimmed (jemalloc's
+    arenas purged) as `learner.release_memory` does after each update."""
     env = _clean_env() | {"LD_PRELOAD": preload.jemalloc_library()}
-    out = subprocess.run([sys.executable, "-c", FREED], capture_output=True, text=True,
-                         check=True, env=env)
-    assert int(out.stdout.split()[-1]) < 50  # of 384 MiB freed
+    out = subprocess.run([sys.executable, "-c", FRAGMENT, "jemalloc", "trim"],
+                         capture_output=True, text=True, check=True, env=env).stdout.split()
+    assert out[0] == "jemalloc" and int(out[-1]) < 50  # of 384 MiB freed
 
 
 def test_a_run_says_which_allocator_it_used(tmp_path) -> None:

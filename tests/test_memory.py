@@ -51,7 +51,7 @@ def test_step_timer_records_each_phase_peak() -> None:
 FRAGMENT = """
 import sys, torch
 from rollwise.system import runtime
-runtime.tune_allocator(sys.argv[1])
+print(runtime.tune_allocator(sys.argv[1]))
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
 base = rss()
@@ -60,6 +60,8 @@ for _ in range(48):  # 8 MiB tensors, each followed by a small one that stays al
     bigs.append(torch.ones(2**21))
     smalls.append(torch.ones(64))
 del bigs  # 384 MiB freed between live small blocks
+if sys.argv[2:] == ["trim"]:
+    runtime.trim_heap()
 print((rss() - base) // 1024)
 """
 
