@@ -61,7 +61,7 @@ class KVCache:
         t = (self.pk if region == "p" else self.rk)[0]
         s, n = t.shape[0], t.shape[2]
         if s == 0 and region in self._released:  # at once to the size it had, not by steps
-            s, n = (max(a, b) for a, b in zip((s, n), self._released.pop(region)))
+            s, n = self._released.pop(region)
         ns, nn = self._grow(s, slots, 8), self._grow(n, length, 64)
         if (ns, nn) != (t.shape[0], t.shape[2]):
             self._alloc(region, ns, nn)

@@ -16,9 +16,12 @@ import torch
 from rollwise.system.preload import jemalloc_loaded
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
+_ALL_ARENAS = 4096  # jemalloc's MALLCTL_ARENAS_ALL
 
 ALLOCATORS = ("reuse", "jemalloc", "compact")
+_in_use = {"allocator": "system"}  # what the last tune_allocator left in use
+
+
 def tune_allocator(mode: str = "reuse") -> str:
     """Set how the C allocator trades memory for speed; the allocator in use: 'jemalloc',
     'reuse', 'compact' or 'system' (not glibc, or left alone).
@@ -42,9 +45,6 @@ def tune_allocator(mode: str = "reuse") -> str:
     return _in_use["allocator"]
 
 
-_in_use = {"allocator": "system"}
-
-
 def allocator_in_use() -> str:
     """What the last `tune_allocator` left in use (run headers and summaries show it)."""
     return _in_use["allocator"]
@@ -64,9 +64,6 @@ def _tune(mode: str) -> str:
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
         return "system"
     return mode if ok else "system"
-
-
-_ALL_ARENAS = 4096  # jemalloc's MALLCTL_ARENAS_ALL
 
 
 def trim_heap() -> None:
