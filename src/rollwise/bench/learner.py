@@ -18,7 +18,8 @@ one small step per update and the timings compare like with like:
   8-bit moments; `+ckpt`: activation checkpointing (learner/optim.py, docs/performance.md);
   `bf16-master+tis`: bfloat16 weights and gradients with stochastic rounding
   (`learner.master_dtype = "bfloat16"`, float32 moments), `+bf16m` with bfloat16 moments
-  (`learner.optimizer = "adamw-bf16"`), `+ckpt` with activation checkpointing too. They
+  (`learner.optimizer = "adamw-bf16"`), `+ckpt` with activation checkpointing too, `+comp`
+  with compensated rounding instead (`learner.master_rounding = "compensated"`). They
   train a bfloat16 copy of the model, made once before the first update.
 
 Memory: the peak resident set of the process in each phase (`peak_rss_mb`: sampling the
@@ -41,7 +42,7 @@ from rollwise.bench.common import load_workload, median, print_table, save_resul
 from rollwise.system.runtime import rss_peak, trim_heap
 
 # name: (precision, correction, share prompts, optimizer, activation checkpointing,
-#        master dtype)
+#        master dtype, "+comp" when compensated)
 Variant = tuple[str, str, bool, str, bool, str]
 VARIANTS: dict[str, Variant] = {
     "float32": ("float32", "none", True, "adamw", False, "float32"),
@@ -59,6 +60,8 @@ MORE_VARIANTS: dict[str, Variant] = {  # run when named (--variant)
     "bf16-master+tis+bf16m": ("bf16-autocast", "tis", True, "adamw-bf16", False, "bfloat16"),
     "bf16-master+tis+bf16m+ckpt": ("bf16-autocast", "tis", True, "adamw-bf16", True,
                                    "bfloat16"),
+    "bf16-master+tis+bf16m+ckpt+comp": ("bf16-autocast", "tis", True, "adamw-bf16", True,
+                                        "bfloat16+comp"),
 }
 KNOWN = VARIANTS | MORE_VARIANTS
 
@@ -115,7 +118,7 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
     peaks: dict[str, dict[str, float]] = {}
     batch, reward = _batch(policy, pairs, n, max_tokens, seed, peaks)
     models = {"float32": policy.model}
-    if any(KNOWN[v][5] == "bfloat16" for v in variants):
+    if any(KNOWN[v][5].startswith("bfloat16") for v in variants):
         import copy
 
         models["bfloat16"] = copy.deepcopy(policy.model).to(torch.bfloat16)
@@ -124,12 +127,14 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
         order = list(variants[rep % len(variants):] + variants[: rep % len(variants)])
         for v in order:
             precision, correction, share, optimizer, ckpt, master = KNOWN[v]
+            master, _, comp = master.partition("+")
             net = models[master]
             learner = Learner(net, loss_fn=policy_losses["ppo"],
                               loss_options={"aggregation": "token-mean"}, lr=1e-5,
                               precision=precision, skip_zero_advantage=False,
                               share_prompts=share, optimizer=optimizer,
                               activation_checkpointing=ckpt, master_dtype=master,
+                              master_rounding="compensated" if comp else "stochastic",
                               correction_fn=None if correction == "none" else corrections[
                                   correction], correction_options={"cap": 2.0})
             with _phase(peaks, f"learner {v}"):

@@ -37,8 +37,11 @@ from rollwise.types import CORRECT
 def build_policy(cfg: Config, task: Task) -> Policy:
     m = cfg.model
     warm = [(s.prompt, s.reference) for s in task.train if s.reference] if m.name == "tiny" else None
-    # a bfloat16 learner trains the model as loaded: no float32 copy is ever made
-    dtype = "bfloat16" if cfg.learner.master_dtype == "bfloat16" else m.dtype
+    # a bfloat16 learner trains the model as loaded: no float32 copy is ever made, unless
+    # compensated rounding takes its residuals from the float32 weights (learner/stochastic.py)
+    lc = cfg.learner
+    bf16 = lc.master_dtype == "bfloat16" and lc.master_rounding != "compensated"
+    dtype = "bfloat16" if bf16 else m.dtype
     policy = load_policy(m.name, device=cfg.run.device, dtype=dtype, warm_start=warm,
                          tiny=m.tiny.model_dump() | {"seed": cfg.run.seed})
     if m.lora_rank > 0:
@@ -131,7 +134,8 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
         skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts,
         activation_checkpointing=lc.activation_checkpointing,
         memory_budget_mb=lc.memory_budget_mb, optimizer=lc.optimizer,
-        master_dtype=lc.master_dtype, seed=cfg.run.seed, release_memory=lc.release_memory)
+        master_dtype=lc.master_dtype, master_rounding=lc.master_rounding, seed=cfg.run.seed,
+        release_memory=lc.release_memory)
 
 
 def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer: Callable,

@@ -159,6 +159,23 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError(f"{', '.join(needs)} needs the native engine "
                           "(engine.name='native')")
     _check_tree(cfg)
+    _check_master(cfg)
+
+
+def _check_master(cfg: Config) -> None:
+    """learner.master_rounding 'compensated' rounds bfloat16 master weights in rollwise's
+    own AdamW (learner/stochastic.py)."""
+    lc = cfg.learner
+    if lc.master_rounding != "compensated":
+        return
+    if lc.master_dtype != "bfloat16":
+        raise ConfigError("learner.master_rounding = 'compensated' keeps the bits that "
+                          "bfloat16 master weights drop: it needs learner.master_dtype = "
+                          f"'bfloat16' (here {lc.master_dtype!r})")
+    if lc.optimizer not in ("adamw", "adamw-fused", "adamw-bf16"):
+        raise ConfigError("learner.master_rounding = 'compensated' needs learner.optimizer "
+                          f"adamw, adamw-fused or adamw-bf16 (here {lc.optimizer!r}: torchao's "
+                          "optimizers round stochastically)")
 
 
 def _check_tree(cfg: Config) -> None:

@@ -413,6 +413,13 @@ class LearnerConfig(Section):
         "in bfloat16, weights and gradients take half the memory, the optimizer writes them "
         "with stochastic rounding, the learner computes in bfloat16 and a bfloat16 engine "
         "reads the weights in place (no copy; docs/performance.md, Memory).")
+    master_rounding: Literal["stochastic", "compensated"] = Field(
+        "stochastic", description="How bfloat16 master weights take an update: "
+        "'stochastic' (right on average, noisy when updates are far below a bfloat16 step) "
+        "or 'compensated' (an int8 residual a weight keeps the bits bfloat16 drops: one more "
+        "byte a parameter, updates as float32's to 16 significant bits; lower quickstart "
+        "accuracy than 'stochastic' here, docs/performance.md, Memory). Only with "
+        "master_dtype 'bfloat16' and the optimizers adamw, adamw-fused, adamw-bf16.")
     release_memory: bool = Field(
         False, description="Free the gradients after each optimizer step and give the "
         "memory an update freed back to the system (glibc malloc_trim): the resident set "

@@ -64,21 +64,21 @@ class Learner:
                  skip_zero_advantage: bool = True, share_prompts: bool = True,
                  activation_checkpointing: bool = False, memory_budget_mb: float = 0.0,
                  optimizer: str = "adamw", master_dtype: str = "float32", seed: int = 0,
-                 release_memory: bool = False):
+                 release_memory: bool = False, master_rounding: str = "stochastic"):
         """`share_prompts`: rows with the same prompt run it once per micro-batch (the
         same log-probs and gradients; learner/logprobs.py). `activation_checkpointing` and
         `memory_budget_mb` (0: none): the module docstring. `optimizer`: a name of
         learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit, float8 or bfloat16 moments).
-        `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so)
-        and its updates are rounded stochastically (learner/stochastic.py; `seed` seeds the
-        rounding). `release_memory`: the gradients are freed after each step and freed heap
-        memory is given back to the system after each update (module docstring)."""
+        `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so),
+        its updates rounded stochastically (`seed` seeds it) or, `master_rounding`
+        "compensated", kept by an int8 residual each (learner/stochastic.py).
+        `release_memory`: gradients freed after each step, freed heap memory given back."""
         if master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"learner.master_dtype must be float32 or bfloat16, not "
                              f"'{master_dtype}'")
-        stochastic = master_dtype == "bfloat16"
+        stochastic, compensated = master_dtype == "bfloat16", master_rounding == "compensated"
         if stochastic:
-            bfloat16_master(model, keep_stream=precision == "bf16-autocast")
+            bfloat16_master(model, keep_stream=precision == "bf16-autocast", residuals=compensated)
         self.model = model
         if activation_checkpointing:
             enable_checkpointing(model)
@@ -87,7 +87,7 @@ class Learner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(optimizer, self.params, lr=lr, betas=betas,
                                          weight_decay=weight_decay, stochastic=stochastic,
-                                         seed=seed)
+                                         seed=seed, compensated=compensated)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps))
         if memory_budget_mb > 0:

@@ -14,10 +14,11 @@
                  stochastic rounding (4 bytes a parameter instead of 8)
 
 bfloat16 parameters (`learner.master_dtype = "bfloat16"`, `stochastic=True`) are written
-with stochastic rounding (learner/stochastic.py): `adamw` and `adamw-fused` then mean that
-module's AdamW with float32 moments, `adamw-bf16` its bfloat16 moments, and the torchao
-names torchao's own stochastic rounding (`bf16_stochastic_round`, its global random
-generator).
+with stochastic rounding, or with an int8 residual (`compensated=True`,
+`learner.master_rounding = "compensated"`; learner/stochastic.py): `adamw` and `adamw-fused`
+then mean that module's AdamW with float32 moments, `adamw-bf16` its bfloat16 moments, and
+the torchao names torchao's own stochastic rounding (`bf16_stochastic_round`, its global
+random generator; it has no compensated rounding).
 
 torchao compiles one update kernel per parameter shape with torch.compile (a C++ compiler
 is needed on the CPU; the first step pays the compilation) and keeps a parameter's moments
@@ -70,13 +71,19 @@ def fused_available(params: list[torch.Tensor]) -> bool:
 
 def build_optimizer(name: str, params: list[torch.Tensor], *, lr: float,
                     betas: tuple[float, float], weight_decay: float,
-                    stochastic: bool = False, seed: int = 0) -> torch.optim.Optimizer:
+                    stochastic: bool = False, seed: int = 0,
+                    compensated: bool = False) -> torch.optim.Optimizer:
     """The optimizer `name` (module docstring) over `params`; `stochastic`: bfloat16
-    parameters are written with stochastic rounding (its random bits seeded by `seed`)."""
+    parameters are written with stochastic rounding (its random bits seeded by `seed`),
+    or with an int8 residual when `compensated` too."""
     if name == "adamw-bf16" or (stochastic and name in ("adamw", "adamw-fused")):
         moments = torch.bfloat16 if name == "adamw-bf16" else torch.float32
         return StochasticAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
-                               moment_dtype=moments, seed=seed)
+                               moment_dtype=moments, seed=seed,
+                               compensated=stochastic and compensated)
+    if stochastic and compensated:
+        raise ValueError(f"learner.master_rounding 'compensated' needs learner.optimizer "
+                         f"adamw, adamw-fused or adamw-bf16, not '{name}'")
     if name in ("adamw", "adamw-fused"):
         fused = name == "adamw-fused" and fused_available(params)
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,

@@ -96,7 +96,8 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
     eval_prompts, eval_skipped = _eval_prompts(cfg, policy, task, scoring.extra)
     precision = build_precision(cfg, policy)
     if cfg.learner.master_dtype == "bfloat16":  # before any engine decides what it shares
-        bfloat16_master(policy.model, keep_stream=precision.learner == "bf16-autocast")
+        bfloat16_master(policy.model, keep_stream=precision.learner == "bf16-autocast",
+                        residuals=cfg.learner.master_rounding == "compensated")
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
     control = build_control(cfg, sampler)
     rollout, trainer, resources, weights_from = _place(cfg, policy, precision, task, control,
