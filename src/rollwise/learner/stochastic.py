@@ -1,4 +1,4 @@
-"""bfloat16 master weights: stochastic or compensated rounding, and the AdamW that updates with it.
+"""bfloat16 master weights: stochastic or compensated rounding, and the AdamW updating them.
 
 With `learner.master_dtype = "bfloat16"` the policy's parameters (and so their gradients)
 are bfloat16: half the memory of float32 for each, and the rollout engine can read them in
@@ -22,22 +22,22 @@ which no expectation depends on): the draw is the step's dominant cost.
 
 Stochastic rounding is right on average but noisy: an update of a tenth of a bfloat16 step
 moves the weight a whole step one time in ten, so after n such updates the weight has
-drifted n/10 steps and wandered about 0.3 * sqrt(n) steps around that, as much as it drifted
-over the quickstart's 20 updates. `compensated = True` removes the noise for one byte a
-parameter: an int8 residual per weight keeps the part of the float32 value that
+drifted n/10 steps and wandered about 0.3 * sqrt(n) steps around that, as much as it
+drifted over the quickstart's 20 updates. `compensated = True` removes the noise for one
+byte a parameter: an int8 residual per weight keeps the part of the float32 value that
 round-to-nearest bfloat16 dropped, in units of 1/256 of the weight's bfloat16 step
 (`compensated_load`, `compensated_store`). The weight the model reads is the nearest
-bfloat16 to the float32 master, and the master keeps 16 significant bits (float32: 24): each
-store lands within half a unit, 1/512 of a step, of the float32 value (a whole unit where
-the residual saturates at 127, one value in about 500), so updates accumulate as in float32
-(Kahan's compensated summation with an 8-bit compensation). It needs no random bits, and the moments, when bfloat16, keep their
-stochastic rounding. The residuals start from the float32 weights when the model is
-converted from them (`bfloat16_master(..., residuals=True)`), so the master starts as the
-float32 model. On the quickstart's batch the compensated learner moves the policy as float32
-AdamW does (scripts/master_drift.py, mean |change of a token's log-prob| after 6 updates:
-0.616 against 0.592; stochastic rounding 0.792), yet its runs reached lower held-out accuracy
-than stochastic rounding's on the same seeds (docs/performance.md, Memory): it is a choice,
-not the default.
+bfloat16 to the float32 master, and the master keeps 16 significant bits (float32: 24):
+each store lands within half a unit, 1/512 of a step, of the float32 value (a whole unit
+where the residual saturates at 127, one value in about 500), so updates accumulate as in
+float32 (Kahan's compensated summation with an 8-bit compensation). It needs no random
+bits, and the moments, when bfloat16, keep their stochastic rounding. The residuals start
+from the float32 weights when the model is converted from them (`bfloat16_master(...,
+residuals=True)`), so the master starts as the float32 model. On the quickstart's batch the
+compensated learner moves the policy as float32 AdamW does (scripts/master_drift.py, mean
+|change of a token's log-prob| after 6 updates: 0.616 against 0.592; stochastic rounding
+0.792), yet its runs reached lower held-out accuracy than stochastic rounding's on the same
+seeds (docs/performance.md, Memory): it is a choice, not the default.
 
 Imports: torch.
 """
