@@ -5,12 +5,14 @@ entropy branching (group size, fork positions, shared prefixes)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
 import torch
 
+from rollwise.algos.advantages import tree_grpo
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.engine import native as native_module
 from rollwise.rollout import RolloutScheduler, trees
@@ -314,6 +316,34 @@ def test_entropy_branching_forks_at_the_most_uncertain_tokens(model) -> None:
     assert engine.stats.prefill_tokens == sum(len(p.ids) for p in prompts) + forks_prefill
 
 
+def test_entropy_leaves_are_labelled_with_their_roots_tree(model) -> None:
+    """Two roots of four leaves each: every leaf carries its root's tree index, which
+    tree_grpo reads. A root's forks are its own: each shares the root's response and
+    log-probs up to a distinct one of the root's three highest-entropy positions (checked
+    as a matching of forks to cuts, so a fork labelled with the other root fails)."""
+    prompts = _groups(2, seed=4)
+    engine, sched = _latr(model, n=8, mode="entropy", max_tokens=16, entropy_branches=4)
+    for g in sched.run(prompts).groups:
+        labels = [t.tree for t in g.trajectories]
+        assert sorted(labels) == [0, 0, 0, 0, 1, 1, 1, 1]
+        roots = {k: g.trajectories[labels.index(k)] for k in (0, 1)}  # placed first
+        assert roots[0].response_ids[0] != roots[1].response_ids[0]
+        for k, root in roots.items():
+            ref, _ = _reference(model, root.prompt_ids, root.response_ids)
+            want = entropy_cuts((-(ref.exp() * ref).sum(-1)).tolist(), 3)
+            assert sum(c > 0 for c in want) >= 2
+            forks = [t for t in g.trajectories if t.tree == k and t is not root]
+            fits = [{c for c in want if f.response_ids[:c] == root.response_ids[:c]
+                     and f.logprobs[:c] == root.logprobs[:c]} for f in forks]
+            assert any(all(c in fit for c, fit in zip(order, fits))
+                       for order in itertools.permutations(want)), (want, fits)
+    # tree 0: one success of four; tree 1: four of four. The lone success weighs more.
+    first = [labels.index(0), labels.index(1)]
+    rewards = torch.tensor([float((k == 0) == (i == first[0])) for i, k in enumerate(labels)])
+    advantages = tree_grpo(rewards, torch.zeros(8), trees=torch.tensor(labels))
+    assert advantages[first[0]] > advantages[first[1]] + 1.0
+
+
 def test_short_latr_tree_fills_with_plain_samples_on_its_kept_prompt(model) -> None:
     """No fork (threshold 0.99): the greedy root ends alone, 3 plain samples fill the group
     with the root's seeds' siblings, and the root's kept cache lends them the prompt."""
@@ -323,6 +353,8 @@ def test_short_latr_tree_fills_with_plain_samples_on_its_kept_prompt(model) -> N
     c = sched.trees.counters
     assert (c.forks, c.filled, c.lent_prefixes) == (0, 6, 2)
     assert [len(g.trajectories) for g in groups] == [4, 4]
+    # the greedy tree is tree 0; each plain sample is a tree of its own (tree_grpo)
+    assert [[t.tree for t in g.trajectories] for g in groups] == [[0, 1, 2, 3]] * 2
     assert engine.stats.prefill_tokens == sum(len(p.ids) + 1 for p in prompts)
     assert engine.stats.reused_tokens == sum(len(p.ids) - 1 for p in prompts)
     plain = RolloutScheduler(NativeEngine(model, eos_token_ids=[EOS]), SamplingParams(

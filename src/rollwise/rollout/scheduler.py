@@ -58,6 +58,7 @@ class _Slot:
     finished_at: float = 0.0
     indexed: int = 0  # spec_group: tokens of this sample already in the group's index
     mask: list[int] | None = None  # tree rollouts: loss_mask of greedy/forced tokens
+    tree: int = 0  # tree rollouts: the tree of its group it is a leaf of (tree_grpo)
 
 
 @dataclass
@@ -315,7 +316,7 @@ class RolloutScheduler:
             Trajectory.from_completion(prompt, s.done, self.decode, self.version,
                                        {"rollout_done": s.finished_at}) for s in g.slots])
         for t, s in zip(out.trajectories, g.slots):
-            t.loss_mask = s.mask
+            t.loss_mask, t.tree = s.mask, s.tree
         return out
 
     def _tree_counts(self, before: TreeCounters | None) -> dict[str, int]:
@@ -347,7 +348,8 @@ class RolloutScheduler:
             c = s.done or s.partial
             return {"seed": s.seed, "done": s.done is not None,
                     "tokens": c.token_ids if c else [], "logprobs": c.logprobs if c else [],
-                    "versions": c.versions if c else [], "reason": c.finish_reason if c else ""}
+                    "versions": c.versions if c else [], "reason": c.finish_reason if c else "",
+                    "tree": s.tree}
 
         return {"uid": self._uid, "pool": [
             {"uid": g.uid, "sample": asdict(g.sample), "ids": g.ids, "estimate": g.estimate,
@@ -365,7 +367,7 @@ class RolloutScheduler:
                 c = (Completion(g["uid"], s["tokens"], s["logprobs"], s["reason"] or "abort",
                                 s["versions"]) if s["tokens"] or s["done"] else None)
                 slots.append(_Slot(seed=s["seed"], done=c if s["done"] else None,
-                                   partial=None if s["done"] else c))
+                                   partial=None if s["done"] else c, tree=s.get("tree", 0)))
             self.pool.append(_PendingGroup(g["uid"], Sample(**g["sample"]), g["ids"], slots,
                                            g["estimate"], g["measured"], g["age"]))
         self.previous = {tuple(k): [Completion(0, t, lp, "stop") for t, lp in v]

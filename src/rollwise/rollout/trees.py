@@ -25,7 +25,10 @@ Greedy and forced tokens (latr) are not samples of the behaviour policy: `forced
 'mask' gives them loss_mask 0 (the default: the loss sees only sampled tokens), 'keep'
 trains them with the policy's temperature-1 log-prob recorded as the behaviour log-prob.
 `share` (decaying linearly to 0 over `decay_steps` policy versions) is the fraction of
-groups grown as trees; the rest are sampled as usual.
+groups grown as trees; the rest are sampled as usual. Each leaf is placed with the index of
+its tree within the group (an entropy root and its forks share the root's; latr's greedy
+tree is 0 and each plain fill sample a tree of its own): `Trajectory.tree`, which the
+`tree_grpo` advantage reads.
 
 Imports the engine contract and its seed derivation only; the scheduler's group and slot
 records are used through their fields (`ids`, `uid`, `slots[k].seed/done/finished_at/mask`).
@@ -169,17 +172,21 @@ class _Tree:
     growing: bool = True  # latr: still greedy (the group is not full yet)
     made: int = 0  # forks made: the next fork's seed index within the group
     roots: dict[int, int] = field(default_factory=dict)  # entropy: root rid -> its forks
-    forks: dict[int, tuple[Completion, int]] = field(default_factory=dict)  # entropy: fork
-    # rid -> (its root, the cut)
+    forks: dict[int, tuple[Completion | None, int, int]] = field(default_factory=dict)
+    # entropy: fork rid -> (its root when finished, the cut, the root's tree)
+    tree_of: dict[int, int] = field(default_factory=dict)  # entropy: root rid -> its tree
+    alone: int = 0  # latr: plain samples placed so far (each a tree of its own)
 
     def fork_seed(self) -> int:
         """A new seed for the group's next fork (a function of the group alone)."""
         self.made += 1
         return derive_seed(self.group.slots[0].seed, _FORK_STREAM + self.made)
 
-    def place(self, c: Completion, now: float, mask: list[int] | None = None) -> None:
+    def place(self, c: Completion, now: float, mask: list[int] | None = None,
+              tree: int = 0) -> None:
+        """Fill the group's next free slot with `c`, a leaf of tree `tree` of the group."""
         slot = next(s for s in self.group.slots if s.done is None)
-        slot.done, slot.finished_at, slot.mask = c, now, mask
+        slot.done, slot.finished_at, slot.mask, slot.tree = c, now, mask, tree
 
 
 class TreeGrower:
@@ -226,6 +233,7 @@ class TreeGrower:
             rid = self.engine.submit(g.ids, asks, seed=g.slots[k].seed, tag=g.uid, keep_kv=True)
             self._owner[rid] = tree
             tree.roots[rid] = (n - roots) // roots + (k < (n - roots) % roots)
+            tree.tree_of[rid] = k
         if self.settings.entropy_fork_after > 0:
             self._trees.append(tree)
 
@@ -261,10 +269,11 @@ class TreeGrower:
     def _entropy_finished(self, tree: _Tree, c: Completion, now: float) -> None:
         fork = tree.forks.pop(c.request_id, None)
         if fork is not None:  # a fork of a running root came back whole (resumed prefix)
-            root, cut = fork
-            tree.place(c if root is None else joined(root, c, cut), now)
+            root, cut, k = fork
+            tree.place(c if root is None else joined(root, c, cut), now, tree=k)
             return
-        tree.place(replace(c, entropies=None), now)
+        k = tree.tree_of.pop(c.request_id)
+        tree.place(replace(c, entropies=None), now, tree=k)
         cuts = entropy_cuts(c.entropies or [], tree.roots.pop(c.request_id, 0))
         ids = tree.group.ids
         self._lend(ids, c, cuts)  # no cuts (forked while running): its cache is let go
@@ -273,7 +282,7 @@ class TreeGrower:
             rid = self.engine.submit(ids + c.token_ids[:t], params, seed=tree.fork_seed(),
                                      tag=tree.group.uid)
             self._owner[rid] = tree
-            tree.forks[rid] = (c, t)
+            tree.forks[rid] = (c, t, k)
             self.counters.forks += 1
             self.log.append((tree.group.uid, t, -1))
 
@@ -292,7 +301,7 @@ class TreeGrower:
                 fork = self.engine.submit(tree.group.ids, self.params, seed=tree.fork_seed(),
                                           resume=prefix, tag=tree.group.uid)
                 self._owner[fork] = tree
-                tree.forks[fork] = (None, t)
+                tree.forks[fork] = (None, t, tree.tree_of[rid])
                 self.counters.forks += 1
                 self.log.append((tree.group.uid, t, -1))
 
@@ -367,8 +376,9 @@ class TreeGrower:
 
     def _latr_finished(self, tree: _Tree, c: Completion, now: float) -> None:
         b = tree.running.pop(c.request_id, None)
-        if b is None:  # a plain sample filling a short tree
-            tree.place(c, now)
+        if b is None:  # a plain sample filling a short tree: a tree of its own
+            tree.alone += 1
+            tree.place(c, now, tree=tree.alone)
             return
         if tree.growing:
             self._look(tree, b, c, finished=True)  # forks at its last positions
