@@ -91,6 +91,27 @@ def test_reused_turns_match_full_prefill_and_skip_the_history(model) -> None:
     assert reuse.stats.retained == TURNS * len(FIRST)
 
 
+def test_a_kept_request_that_ends_on_its_first_token_keeps_its_prompt(model) -> None:
+    """The tiny model copies its last token: a prompt ending in EOS ends at once, the token
+    drawn from the prompt's logits and no row computed. Its prompt's keys/values are kept
+    all the same, and the next turn on it computes only what it adds, with the same tokens
+    and log-probs as a full prefill."""
+    prompt, more = [1, 30, EOS], [40, 41]
+    engine = NativeEngine(model, eos_token_ids=[EOS])
+    first = engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=6), keep_kv=True)
+    assert _run(engine, [first])[first].token_ids == [EOS]
+    assert engine.stats.retained == 1
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    rid = engine.submit(prompt + more, params, seed=5)
+    got = _run(engine, [rid])[rid]
+    fresh = NativeEngine(model, eos_token_ids=[EOS])
+    ref_rid = fresh.submit(prompt + more, params, seed=5)
+    ref = _run(fresh, [ref_rid])[ref_rid]
+    assert got.token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) < LOGPROB_TOL
+    assert engine.stats.reused_tokens == len(prompt)
+
+
 def test_publish_drops_retained_kv(model) -> None:
     engine = NativeEngine(model, eos_token_ids=[EOS])
     _, prompts = _converse(engine, keep=True, publish_between=True)

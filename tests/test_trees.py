@@ -277,6 +277,28 @@ def test_latr_prunes_near_copies_and_still_fills_the_group(model, monkeypatch) -
         assert span[0] in forced and span[0] != parent_span[0]
 
 
+def test_a_tree_whose_last_running_branches_are_pruned_still_fills(model, monkeypatch) -> None:
+    """The random tiny model copies its last token, so a prompt ending in EOS gets a greedy
+    root that ends at once. It forks at that last position (the fork rule made to fire
+    once), and the child is pruned at its first lookahead point: the tree loses its last
+    running branch while it still grows. It is filled with plain samples at once, so the
+    group completes in its round (none is left over to start again as a second tree over
+    the same slots)."""
+    asked = []
+    monkeypatch.setattr(trees, "latr_forks", lambda *_: asked.append(1) or len(asked) == 1)
+    monkeypatch.setattr(trees, "too_similar", lambda *_: True)
+    engine, sched = _latr(model, max_tokens=16, latr_lookahead=(1,))
+    prompt = EncodedPrompt(Sample(id="eos", prompt="", answer=""), [1, 30, EOS])
+    groups = sched.run([prompt]).groups
+    c = sched.trees.counters
+    assert (c.forks, c.prunes, c.filled) == (1, 1, 3)
+    assert len(groups) == 1 and not sched.pool and not engine.has_unfinished()
+    root = groups[0].trajectories[0]
+    assert root.response_ids == [EOS] and sched.trees.log[0][1] == 0
+    # the root is tree 0, each plain sample a tree of its own
+    assert [t.tree for t in groups[0].trajectories] == [0, 1, 2, 3]
+
+
 def test_share_picks_groups_and_decay_turns_trees_off(model) -> None:
     engine, sched = _latr(model, share=0.5)
     hits = sum(sched.trees.takes(uid) for uid in range(400))

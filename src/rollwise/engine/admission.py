@@ -94,8 +94,9 @@ class Admission:
         """Copy aside the keys/values of a finished request's prompt and cached tokens."""
         g = r.group
         key = tuple(g.tokens) + tuple(r.tokens[: r.cached])
-        kv = torch.cat((self.cache.take_prefix(g.slot, len(g.tokens)),
-                        self.cache.take_row(row, r.cached)), dim=3)
+        kv = self.cache.take_prefix(g.slot, len(g.tokens))
+        if r.cached:  # none when it ended on its first token (drawn from the prompt's logits)
+            kv = torch.cat((kv, self.cache.take_row(row, r.cached)), dim=3)
         self.retained.pop(key, None)
         self.retained[key] = kv
         self.stats.retained += 1

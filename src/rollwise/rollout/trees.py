@@ -259,6 +259,8 @@ class TreeGrower:
             for b in list(tree.running.values()):
                 c = self.engine.peek(b.rid)
                 self._look(tree, b, c)
+            if tree.growing and not tree.running:  # its last running branches were pruned
+                self._fill(tree)
             if tree.growing and tree.live >= len(tree.group.slots):
                 self._switch(tree)
             if not tree.growing:
