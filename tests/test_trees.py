@@ -344,7 +344,7 @@ def test_entropy_leaves_are_labelled_with_their_roots_tree(model) -> None:
     log-probs up to a distinct one of the root's three highest-entropy positions (checked
     as a matching of forks to cuts, so a fork labelled with the other root fails)."""
     prompts = _groups(2, seed=4)
-    engine, sched = _latr(model, n=8, mode="entropy", max_tokens=16, entropy_branches=4)
+    _, sched = _latr(model, n=8, mode="entropy", max_tokens=16, entropy_branches=4)
     for g in sched.run(prompts).groups:
         labels = [t.tree for t in g.trajectories]
         assert sorted(labels) == [0, 0, 0, 0, 1, 1, 1, 1]
