@@ -31,7 +31,7 @@ tree is 0 and each plain fill sample a tree of its own): `Trajectory.tree`, whic
 `tree_grpo` advantage reads.
 
 Imports the engine contract and its seed derivation only; the scheduler's group and slot
-records are used through their fields (`ids`, `uid`, `slots[k].seed/done/finished_at/mask`).
+records are used through their fields (`ids`, `uid`, `slots[k].seed/done/finished_at/mask/tree`).
 """
 
 from __future__ import annotations
