@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollwise.pipeline.build import build
 from rollwise.compose.config import ConfigError, load_config
+from rollwise.pipeline.build import build
 
 
 def _config(tmp_path, *extra):

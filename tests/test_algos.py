@@ -24,7 +24,8 @@ AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 def _grpo_reference(rewards: list[float], groups: list[int], eps: float) -> list[float]:
-    """Per group: mean, unbiased std (n - 1; 0 for a single member), A = (r - mean) / (std + eps)."""
+    """Per group: mean, unbiased std (n - 1; 0 for a single member),
+    A = (r - mean) / (std + eps)."""
     out = []
     for r, g in zip(rewards, groups):
         members = [x for x, h in zip(rewards, groups) if h == g]
@@ -61,7 +62,8 @@ def test_grpo_binary_rewards_known_values_float32() -> None:
 
 def test_grpo_zero_variance_and_singleton_groups_are_zero() -> None:
     rewards = torch.tensor([0.3, 0.3, 0.3, 1.0, 5.0, -2.0, -2.0])
-    groups = torch.tensor([0, 0, 0, 1, 2, 3, 3])  # 0: constant, 1: singleton, 2: singleton, 3: constant
+    # 0: constant, 1: singleton, 2: singleton, 3: constant
+    groups = torch.tensor([0, 0, 0, 1, 2, 3, 3])
     adv = grpo(rewards, groups)
     assert torch.equal(adv, torch.zeros(7))
 

@@ -91,7 +91,9 @@ def test_prepare_batch_masks_truncated_rows_and_puts_kl_in_the_reward(make_traje
     assert masked.loss_mask[1].sum() == 0 and masked.loss_mask[0].sum() == 2
     torch.testing.assert_close(masked.advantages, want)  # rewards still count in the baseline
 
-    kl = lambda batch: batch.loss_mask.double() * 0.1  # 0.1 per response token
+    def kl(batch):
+        return batch.loss_mask.double() * 0.1  # 0.1 per response token
+
     shaped = prepare_batch(groups, advantage_estimators["dr_grpo"], pad_id=0,
                            reference_kl=kl, kl_coef=2.0)
     lengths = torch.tensor([2.0, 3, 4, 2, 3, 4])
@@ -195,7 +197,8 @@ def test_dare_matches_reference_on_random_groups(alpha, tau):
     gen = torch.Generator().manual_seed(5)
     for _ in range(20):
         m = int(torch.randint(2, 12, (1,), generator=gen))
-        answers = [None if x == 0 else str(x) for x in torch.randint(0, 4, (m,), generator=gen).tolist()]
+        answers = [None if x == 0 else str(x)
+                   for x in torch.randint(0, 4, (m,), generator=gen).tolist()]
         unc = (torch.rand(m, generator=gen) * 2).tolist()
         got = dare_scores(answers, unc, alpha=alpha, tau=tau)
         assert got == pytest.approx(_ref_dare(answers, unc, alpha, tau), abs=1e-12)
@@ -207,7 +210,8 @@ def test_dare_matches_reference_on_random_groups(alpha, tau):
 def test_majority_vote_matches_counter_mode():
     gen = torch.Generator().manual_seed(6)
     for _ in range(20):
-        answers = [None if x == 0 else str(x) for x in torch.randint(0, 4, (9,), generator=gen).tolist()]
+        answers = [None if x == 0 else str(x)
+                   for x in torch.randint(0, 4, (9,), generator=gen).tolist()]
         counts = Counter(a for a in answers if a is not None)
         got = majority_vote_scores(answers)
         if not counts:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rollwise.algos import advantage_estimators, policy_losses
-from rollwise.pipeline.build import build
 from rollwise.compose.config import load_config
+from rollwise.pipeline.build import build
 from rollwise.pipeline.loop import train
 from rollwise.run.rundir import Run
 

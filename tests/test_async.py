@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.pipeline.asyncloop import AsyncSteps, bound_staleness, staleness_histogram
 from rollwise.pipeline.build import build, check_run_config, run_steps
-from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.pipeline.loop import Collected, train
 from rollwise.pipeline.stages import Stages
 from rollwise.rewards import RewardStats

@@ -14,8 +14,8 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 ENV = {**os.environ, "ROLLWISE_NO_PROGRESS": "1", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-QUICK = ["--set", "run.num_steps=3", "--set", "rollout.prompts_per_step=4", "--set", "run.threads=1",
-         "--set", "task.num_eval=20", "--set", "eval.every=0"]
+QUICK = ["--set", "run.num_steps=3", "--set", "rollout.prompts_per_step=4",
+         "--set", "run.threads=1", "--set", "task.num_eval=20", "--set", "eval.every=0"]
 
 
 def rollwise(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -40,7 +40,8 @@ def test_train_writes_the_run_directory_and_a_summary_line(tmp_path):
                      "--set", "eval.before=false", cwd=tmp_path)
     assert again.returncode == 0 and (tmp_path / "runs/tiny_arith-2/summary.json").is_file()
     report = rollwise("report", "runs/tiny_arith", cwd=tmp_path)
-    assert report.returncode == 0 and "<img" in (tmp_path / "runs/tiny_arith/report.html").read_text()
+    assert report.returncode == 0
+    assert "<img" in (tmp_path / "runs/tiny_arith/report.html").read_text()
 
 
 def test_config_typo_is_a_clear_error(tmp_path):

@@ -13,7 +13,10 @@ def test_pycode_splits_references_and_partial_credit() -> None:
     task = make_task("pycode", seed=0, num_train=60, num_eval=12, chat=True)
     again = make_task("pycode", seed=0, num_train=60, num_eval=12, chat=True)
     assert [s.prompt for s in task.train] == [s.prompt for s in again.train]
-    keys = lambda samples: {s.prompt[0]["content"] for s in samples}
+
+    def keys(samples):
+        return {s.prompt[0]["content"] for s in samples}
+
     assert not keys(task.train) & keys(task.eval)
     assert len({s.meta["template"] for s in task.train}) >= 8  # the kinds are mixed
     for s in task.eval:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rollwise.bench.alloc import summarise
-from rollwise.pipeline.build import build
 from rollwise.compose.config import load_config
 from rollwise.control import ALLOCATORS, PosteriorBook
+from rollwise.pipeline.build import build
 from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
 from rollwise.run.rundir import Run

@@ -271,6 +271,7 @@ def test_bench_episodes_command_counts_what_the_kept_cache_saves(tmp_path):
     assert kept["prompt_tokens"] == plain["prompt_tokens"] and plain["kv_reused_tokens"] == 0
     # at most the history less each turn's last token; fewer where a group's episodes made
     # the same moves (identical next prompts share one prefix, and one kept cache)
-    assert 0 < kept["kv_reused_tokens"] <= kept["reusable_tokens"] - (kept["turns"] - kept["episodes"])
+    assert (0 < kept["kv_reused_tokens"]
+            <= kept["reusable_tokens"] - (kept["turns"] - kept["episodes"]))
     assert kept["prefill_tokens"] == plain["prefill_tokens"] - kept["kv_reused_tokens"]
     assert out.with_suffix(".html").is_file()

@@ -7,14 +7,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rollwise.pipeline.build import build
 from rollwise.cli import app
 from rollwise.compose.config import to_toml
 from rollwise.engine.base import SamplingParams
-from rollwise.run.export import export
 from rollwise.learner.checkpoint import list_checkpoints, load_checkpoint
+from rollwise.pipeline.build import build
 from rollwise.pipeline.loop import train
 from rollwise.rollout import generate_groups
+from rollwise.run.export import export
 from rollwise.run.rundir import Run
 from test_runsafety import small
 

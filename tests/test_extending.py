@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import rollwise
-from rollwise.pipeline.build import build
 from rollwise.compose.config import ConfigError, load_config
+from rollwise.pipeline.build import build
 from rollwise.replay import TrajectoryStore
 from rollwise.types import Sample
 

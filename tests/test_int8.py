@@ -124,8 +124,8 @@ def test_publish_requantizes_the_master_weights(workload) -> None:
 def test_int8_config_reaches_the_engines_with_tis(tmp_path) -> None:
     from pathlib import Path
 
-    from rollwise.pipeline.build import build
     from rollwise.compose.config import load_config
+    from rollwise.pipeline.build import build
 
     config = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
     stages = build(load_config(config, [f"run.output_dir='{tmp_path}'", "run.threads=1",

@@ -10,8 +10,12 @@ import torch
 
 from rollwise.compose.config import ConfigError, load_config
 from rollwise.compose.preflight import check_config
-from rollwise.learner.stochastic import (StochasticAdamW, compensated_load,
-                                         compensated_store, compensation_unit)
+from rollwise.learner.stochastic import (
+    StochasticAdamW,
+    compensated_load,
+    compensated_store,
+    compensation_unit,
+)
 
 
 def _step_of(hi: torch.Tensor) -> torch.Tensor:

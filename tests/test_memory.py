@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from rollwise.system import runtime
 from rollwise.observe.progress import format_step_line
 from rollwise.run.rundir import StepTimer
+from rollwise.system import runtime
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
 

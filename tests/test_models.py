@@ -14,7 +14,8 @@ def test_tiny_tokenizer_is_character_level_and_round_trips():
     ids = tok("23+45=")["input_ids"]
     assert ids[0] == tok.bos_token_id and len(ids) == 7
     assert tok.decode(ids, skip_special_tokens=True) == "23+45="
-    assert tok.decode(tok("What is 7 * 8?", add_special_tokens=False)["input_ids"]) == "What is 7 * 8?"
+    text = "What is 7 * 8?"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
 
 
 def test_tiny_warm_start_is_cached_and_learns(tmp_path, monkeypatch):
@@ -61,8 +62,10 @@ def test_smollm2_converted_logits_equal_the_gguf_model():
     from rollwise.models.smollm2 import GGUF_FILE, gguf_dir
 
     policy = load_policy("smollm2-135m")
-    ids = policy.encode([{"role": "user", "content": "What is 12 + 30? Put the final answer after ####."}])
-    reference = AutoModelForCausalLM.from_pretrained(gguf_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
+    ids = policy.encode([{"role": "user",
+                          "content": "What is 12 + 30? Put the final answer after ####."}])
+    reference = AutoModelForCausalLM.from_pretrained(gguf_dir(), gguf_file=GGUF_FILE,
+                                                     dtype=torch.float32)
     with torch.no_grad():
         a = policy.model(torch.tensor([ids])).logits
         b = reference(torch.tensor([ids])).logits

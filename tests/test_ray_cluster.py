@@ -13,9 +13,9 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster
 
-from rollwise.pipeline.build import build, run_steps
 from rollwise.compose.config import load_config, to_toml
 from rollwise.distributed.cluster import worker_env
+from rollwise.pipeline.build import build, run_steps
 from rollwise.pipeline.loop import train
 from rollwise.run.rundir import Run
 

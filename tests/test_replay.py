@@ -45,7 +45,8 @@ def make_groups(step: int, n_groups: int = 2, group_size: int = 3, seed: int = 0
                     text=f"answer {t}",
                     reward=rng.random(),
                     scores={"exact": float(t % 2)},
-                    reward_errors=[RewardIssue("error", "format", f"bad {t}")] if t % 3 == 0 else [],
+                    reward_errors=([RewardIssue("error", "format", f"bad {t}")]
+                                   if t % 3 == 0 else []),
                     timings={"rollout": rng.random(), "reward": 0.001},
                 )
             )

@@ -68,7 +68,8 @@ def test_code_task_trains_through_the_sandbox(tmp_path) -> None:
     assert box["security_boundary"] == (box["isolation"] != "rlimits")
     store = TrajectoryStore(tmp_path / "tiny_arith" / "trajectories.sqlite")
     trajs = store.load_step(1)
-    # the random (not warm-started) tiny model writes no function: each rollout scores 0 with the reason noted
+    # the random (not warm-started) tiny model writes no function: each rollout scores 0
+    # with the reason noted
     assert all(t.scores["correct"] == 0.0 for t in trajs)
     assert all(any(e.kind == "note" and "sandbox load_error" in e.message
                    for e in t.reward_errors) for t in trajs)

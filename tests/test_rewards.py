@@ -1,4 +1,5 @@
-"""Verifiers score what they claim; the reward pool weights, records errors and cuts off overruns."""
+"""Verifiers score what they claim; the reward pool weights, records errors and cuts off
+overruns."""
 
 from __future__ import annotations
 

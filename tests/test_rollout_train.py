@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from rollwise.pipeline.build import build
 from rollwise.compose.config import ConfigError
+from rollwise.pipeline.build import build
 from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
 from rollwise.run.rundir import Run

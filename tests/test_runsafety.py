@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollwise.system.atomic import atomic_write_text
-from rollwise.pipeline.build import build
 from rollwise.compose.config import ConfigError, load_config
-from rollwise.run.health import HealthCheck, RunUnhealthy, step_problems
-from rollwise.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from rollwise.pipeline.loop import train
 from rollwise.compose.preflight import check_config
+from rollwise.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from rollwise.pipeline.build import build
+from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardPool, RewardSpec
+from rollwise.run.health import HealthCheck, RunUnhealthy, step_problems
 from rollwise.run.rundir import Run
+from rollwise.system.atomic import atomic_write_text
 from rollwise.system.runlock import RunLock, RunLockedError
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
@@ -160,7 +160,8 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
 def test_bad_values_are_named_before_any_model_loads(tmp_path, override, key, monkeypatch):
     import rollwise.pipeline.build
 
-    monkeypatch.setattr(rollwise.pipeline.build, "build_policy", lambda *a: pytest.fail("model loaded"))
+    monkeypatch.setattr(rollwise.pipeline.build, "build_policy",
+                        lambda *a: pytest.fail("model loaded"))
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         build(load_config(CONFIG, [override]))
 

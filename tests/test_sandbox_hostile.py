@@ -7,8 +7,9 @@ and try to be scored anyway: they must score what their honest answers earn. **E
 (writes to shared temporary directories, deleting a sibling execution's directory, network,
 a host's named unix socket, processes left behind, inherited descriptors, the parent's /proc,
 the environment) return the right answer only when the attack failed, so they score 1.0
-exactly when contained, and the machine is checked afterwards. Network cases use loopback sockets of this test only.
-Cells docs/rewards.md lists as not stopped (limits alone) are skipped with the reason.
+exactly when contained, and the machine is checked afterwards. Network cases use loopback
+sockets of this test only. Cells docs/rewards.md lists as not stopped (limits alone) are
+skipped with the reason.
 """
 
 from __future__ import annotations

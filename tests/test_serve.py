@@ -362,8 +362,8 @@ def test_calls_with_an_episode_id_are_recorded_token_for_token(live, client):
 def test_a_run_directory_serves_its_latest_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
-    from rollwise.pipeline.build import build
     from rollwise.compose.config import to_toml
+    from rollwise.pipeline.build import build
     from rollwise.pipeline.loop import train
     from rollwise.run.rundir import Run
     from rollwise.serve import load_served

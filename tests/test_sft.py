@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import ROOT, rollwise
 
 from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.compose.preflight import check_config
@@ -27,6 +26,7 @@ from rollwise.models import load_policy
 from rollwise.pipeline.build import build
 from rollwise.pipeline.loop import train
 from rollwise.run.rundir import Run
+from test_cli import ROOT, rollwise
 
 TINY = {"hidden": 64, "layers": 2}
 

@@ -49,7 +49,8 @@ def test_arith_two_terms_reference_and_instruct_style() -> None:
     for sample in chat.train:
         assert isinstance(sample.prompt, list) and sample.prompt[0]["role"] == "user"
         text = sample.prompt[0]["content"]
-        match = re.fullmatch(r"What is (\d+) ([+\-*]) (\d+)\? Put the final answer after ####\.", text)
+        match = re.fullmatch(
+            r"What is (\d+) ([+\-*]) (\d+)\? Put the final answer after ####\.", text)
         assert match, text
         final, _ = _left_to_right(f"{match[1]}{match[2]}{match[3]}")
         assert sample.answer == str(final)
@@ -207,7 +208,8 @@ def test_file_task_from_parquet_and_eval_path(tmp_path) -> None:
     pq.write_table(pa.Table.from_pylist([{"question": messages[0], "solution": "2"},
                                          {"question": shared, "solution": "0"}]),
                    tmp_path / "e.parquet")
-    task = make_task("file", path=str(tmp_path / "t.parquet"), eval_path=str(tmp_path / "e.parquet"),
+    task = make_task("file", path=str(tmp_path / "t.parquet"),
+                     eval_path=str(tmp_path / "e.parquet"),
                      prompt_key="question", answer_key="solution", verifier="math_verify")
     assert len(task.eval) == 2 and len(task.train) == 29  # the row shared with eval is dropped
     assert task.eval[0].prompt == messages[0]  # chat messages kept as they are
@@ -233,7 +235,8 @@ def test_file_task_from_datasets_directory(tmp_path) -> None:
     [
         ('{"prompt": "x", "answer": ', "invalid JSON"),
         ('["prompt", "answer"]', "expected a JSON object, got list"),
-        ('{"prompt": "x", "question": "y"}', "missing key 'answer' (keys present: prompt, question)"),
+        ('{"prompt": "x", "question": "y"}',
+         "missing key 'answer' (keys present: prompt, question)"),
         ('{"prompt": 5, "answer": "1"}', "'prompt' must be a non-empty string or a list"),
         ('{"prompt": "x", "answer": null}', "'answer' must be a string or a number, got NoneType"),
     ],

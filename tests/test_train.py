@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollwise.pipeline.build import build
 from rollwise.compose.config import load_config, to_toml
 from rollwise.learner.checkpoint import list_checkpoints
+from rollwise.pipeline.build import build
 from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
 from rollwise.run.rundir import Run

@@ -82,8 +82,8 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
               "--allow-changes", help="With --resume: accept --set values that change what "
               "the finished steps used (recorded in summary.json).")] = False):
     """Train a policy with GRPO on a task; writes a run directory with metrics and report."""
-    from rollwise.run.health import RunUnhealthy
     from rollwise.pipeline.launch import RunFinished, train_run
+    from rollwise.run.health import RunUnhealthy
     from rollwise.system.runlock import RunLockedError
 
     root = None
@@ -288,7 +288,8 @@ def serve(model: Annotated[str, typer.Option(
                                       ] = 65536,
           device: Annotated[str, typer.Option(help="Torch device: cpu, cuda or cuda:N.")
                             ] = "cpu",
-          threads: Annotated[int, typer.Option(help="Torch CPU threads (0: cores free at start).")] = 0,
+          threads: Annotated[int, typer.Option(help="Torch CPU threads (0: cores free at start).")
+                             ] = 0,
           served_model_name: Annotated[str | None, typer.Option(
               help="The model id clients see (the model's own name stays accepted).")] = None,
           tiny_context: Annotated[int | None, typer.Option(
@@ -298,8 +299,8 @@ def serve(model: Annotated[str, typer.Option(
     import uvicorn
 
     from rollwise.compose.preflight import require_device
-    from rollwise.system.runtime import configure
     from rollwise.serve import Limits, make_server
+    from rollwise.system.runtime import configure
 
     require_device(device)
 

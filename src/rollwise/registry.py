@@ -14,7 +14,7 @@ cannot take the arguments rollwise passes.
     Traceback (most recent call last):
     ...
     ValueError: unknown verifier 'exakt' (did you mean 'exact'?); accepted: exact, or "package.module:function"
-"""
+"""  # noqa: E501 - a doctest's expected message is one line
 
 from __future__ import annotations
 

@@ -133,7 +133,8 @@ class Trajectory:
     # the terms scored it (failures and notes)
     advantage: float | None = None  # the advantage the update used (a token-level
     # estimator's: the mean over the sampled tokens); None where it was not trained on
-    timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. {"rollout": .., "reward": ..}
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g.
+    # {"rollout": .., "reward": ..}
     # Multi-turn episodes (docs/agents.md): `response_ids` holds every token after the
     # prompt, the policy's turns and the environment's observations between them, in order.
     # A single-turn rollout is the one-turn case: loss_mask None (every token sampled).

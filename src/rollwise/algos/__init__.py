@@ -2,9 +2,11 @@
 
     rollwise.algos.advantage_estimators["grpo"](rewards, group_ids) -> advantages
         (token-level ones also take the `AdvantageInputs` fields they declare with `uses`)
-    rollwise.algos.policy_losses["ppo"](logprobs, old_logprobs, advantages, mask, ...) -> (loss, metrics)
+    rollwise.algos.policy_losses["ppo"](logprobs, old_logprobs, advantages, mask, ...)
+        -> (loss, metrics)
     rollwise.algos.kl_estimators["k3"](logprobs, ref_logprobs) -> per-token KL
-    rollwise.algos.corrections["tis"](old_logprobs, behaviour_logprobs, mask, cap=2) -> (weights, metrics)
+    rollwise.algos.corrections["tis"](old_logprobs, behaviour_logprobs, mask, cap=2)
+        -> (weights, metrics)
 
 The learner and driver call these only through the registries; a new estimator is one
 function plus one `@register` line. docs/algorithms.md lists every name.

@@ -11,7 +11,8 @@ excludes rows from the gradient altogether (MC-GRPO's pivot) returns a pair
 
 Simplifications, stated up front: the whitening of REINFORCE++ uses the population
 (biased) standard deviation; DRPO is the "minimal implementable variant" of the DRPO paper
-(docs/algorithms.md: a self-normalised length weight on positive advantages, not the DisCO objective).
+(docs/algorithms.md: a self-normalised length weight on positive advantages, not the DisCO
+objective).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     return mean[inverse], var.sqrt()[inverse]
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def whiten(values: torch.Tensor, mask: torch.Tensor | None = None,
+           eps: float = 1e-6) -> torch.Tensor:
     """(x - mean) / (std + eps) over the whole batch (the entries where mask is 1), population
     std; masked-out entries come back as 0."""
     if mask is None:

@@ -112,7 +112,8 @@ def agents(model: ModelOpt = "tiny", json: JsonOpt = None,
 
 @bench_app.command("episodes")
 def episodes(config: Annotated[Path | None, typer.Argument(
-                 help="An environment task's config (default: the tiny model's guess game).")] = None,
+                 help="An environment task's config (default: the tiny model's guess game).")
+             ] = None,
              json: JsonOpt = None,
              rounds: Annotated[int, typer.Option(help="Rounds; each runs both sides.")] = 3,
              prompts: Annotated[int, typer.Option(help="Prompts (groups) per round.")] = 8,

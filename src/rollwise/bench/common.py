@@ -45,11 +45,15 @@ def matmul_peak_gflops(dtype: torch.dtype, size: int = 2048, reps: int = 5,
     if dtype == torch.int8:
         a = torch.randint(-63, 64, (size, size), dtype=torch.int8, device=device)
         b = torch.randint(-63, 64, (size, size), dtype=torch.int8, device=device).t()
-        product = lambda: torch._int_mm(a, b)
+
+        def product() -> torch.Tensor:
+            return torch._int_mm(a, b)
     else:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        product = lambda: a @ b
+
+        def product() -> torch.Tensor:
+            return a @ b
     product()
     times = []
     for _ in range(reps):

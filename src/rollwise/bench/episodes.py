@@ -24,8 +24,8 @@ from rollwise.bench.common import print_table, save_results, say
 SIDES = ("kept", "recomputed")
 
 
-def run(config: Path | None, *, rounds: int = 3, prompts: int = 8, overrides: list[str] | None = None,
-        progress=print) -> dict[str, Any]:
+def run(config: Path | None, *, rounds: int = 3, prompts: int = 8,
+        overrides: list[str] | None = None, progress=print) -> dict[str, Any]:
     from rollwise.compose.config import load_config
     from rollwise.compose.parts import (
         build_engine,

@@ -199,7 +199,7 @@ def run(model: str = "tiny", *, prompts: int = 16, n: int = 8, max_tokens: int =
                           lambda msg, w=w: progress and progress(f"{w} {msg}"))
         if baseline:
             rows.append(_summarise("hf", w, runs["hf"], params_count, peaks["float32"]))
-        for side, (d, m, engine) in natives.items():
+        for side, (d, _m, engine) in natives.items():
             row = _summarise(side, w, runs[side], params_count, peaks[d]) | {
                 "dtype": d, "step_mode": engine.decode_step.mode}
             if w == "fixed":
@@ -317,6 +317,7 @@ def command(*, model: str, json: Path | None, prompts: int, n: int, max_tokens: 
     for d in data["dtypes"]:
         typer.echo(f"checks {d}: greedy identical to float32 generate on "
                    f"{c[f'greedy_identical_{d}']:.0%} of {c['greedy_prompts']} prompts; |log-prob "
-                   f"error| vs a {'float32' if d == 'int8' else d} forward: max {c[f'max_logprob_error_{d}']:.2e}, mean "
+                   f"error| vs a {'float32' if d == 'int8' else d} forward: "
+                   f"max {c[f'max_logprob_error_{d}']:.2e}, mean "
                    f"{c[f'mean_logprob_error_{d}']:.2e}; publish {data['publish_seconds'][d]:.3f}s")
     save_results(data, json)

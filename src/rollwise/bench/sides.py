@@ -98,7 +98,8 @@ def paired_ratios(base: list[dict[str, Any]], other: list[dict[str, Any]],
                   key: str) -> dict[str, float] | None:
     """Median, min and max of base[i][key] / other[i][key] over paired steps.
 
-    >>> paired_ratios([{"t": 4.0}, {"t": 6.0}, {"t": 9.0}], [{"t": 2.0}, {"t": 2.0}, {"t": 3.0}], "t")
+    >>> paired_ratios([{"t": 4.0}, {"t": 6.0}, {"t": 9.0}],
+    ...               [{"t": 2.0}, {"t": 2.0}, {"t": 3.0}], "t")
     {'median': 3.0, 'min': 2.0, 'max': 3.0, 'n': 3}
     """
     ratios = [b[key] / o[key] for b, o in zip(base, other) if b.get(key) and o.get(key)]

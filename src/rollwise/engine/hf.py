@@ -96,8 +96,10 @@ class HFEngine:
         new = seqs[:, width:].cpu()
         recorder.gather_last(new[:, -1].to(recorder.last.device))
         self.forward_passes += new.shape[1]
-        lp = torch.stack(recorder.picked, dim=1).cpu() if recorder.picked else torch.zeros(len(reqs), 0)
-        return [self._completion(i, new[row], lp[row], stops, params) for row, (i, _) in enumerate(reqs)]
+        lp = (torch.stack(recorder.picked, dim=1).cpu() if recorder.picked
+              else torch.zeros(len(reqs), 0))
+        return [self._completion(i, new[row], lp[row], stops, params)
+                for row, (i, _) in enumerate(reqs)]
 
     def _completion(self, index, tokens, logprobs, stops, params) -> Completion:
         toks = tokens.tolist()

@@ -143,7 +143,8 @@ def sample_and_score_rows(logits: torch.Tensor, settings: list[tuple[float, int,
         rows = None if len(idx) == n else torch.tensor(idx, device=logits.device)
 
         def pick(x: torch.Tensor) -> torch.Tensor:  # each tensor indexed on its own device
-            return x if rows is None else x[rows.to(x.device)]
+            # called in this iteration only, so the late-bound `rows` is this iteration's
+            return x if rows is None else x[rows.to(x.device)]  # noqa: B023
 
         tok, a, b = sample_and_score(pick(logits), temp, top_k, top_p, pick(u), pick(score_ids))
         for i, t, x, y in zip(idx, tok.tolist(), a.tolist(), b.tolist()):

@@ -151,8 +151,9 @@ class LookupEnv(ToolEnv):
     prompt); the question asks for their sum, so the answer needs two `lookup` calls
     (`calc` is there too)."""
 
-    tools: ClassVar[list[dict]] = [tool_schema("lookup", "The secret number of a person.", {"name": "a name"}),
-             *CalcEnv.tools]
+    tools: ClassVar[list[dict]] = [
+        tool_schema("lookup", "The secret number of a person.", {"name": "a name"}),
+        *CalcEnv.tools]
 
     def call(self, name: str, arguments: dict[str, Any]) -> str:
         if name == "calc":

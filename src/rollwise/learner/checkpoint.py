@@ -34,7 +34,8 @@ from rollwise.system.atomic import fsync_dir, fsync_file
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()
+            if p.requires_grad}
 
 
 # -- a tree of dicts, lists, numbers and tensors as (JSON, {name: tensor}) -----------------

@@ -6,8 +6,9 @@ Inputs, all inside the run directory and all optional except that an empty page 
 omits what depends on it; nothing in the inputs can make the report fail.
 
 Metric keys read: step, wall_time (seconds since training start), reward_mean,
-reward_terms and reward_term_errors ({term: value} tables), eval_accuracy, pass_at_k (a number, or {k: value}), rollouts, response_len_{p50,p90,max,mean},
-time_rollout, time_reward, time_train, time_other.
+reward_terms and reward_term_errors ({term: value} tables), eval_accuracy, pass_at_k (a
+number, or {k: value}), rollouts, response_len_{p50,p90,max,mean}, time_rollout,
+time_reward, time_train, time_other.
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def _offpolicy_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
     """Partial rollouts and corrections: off-policy token share, staleness, IS weights."""
     keys = {"off-policy token fraction": "offpolicy_token_frac",
             "staleness (mean versions)": "staleness_mean",
-            "correction ESS": "correction_ess", "correction clipped frac": "correction_clipped_frac",
+            "correction ESS": "correction_ess",
+            "correction clipped frac": "correction_clipped_frac",
             "spec accepted len / 10": "spec_accepted_len"}
     series = {}
     for label, key in keys.items():
@@ -266,7 +268,8 @@ def _requests_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 def _capacity_figure(train: list[dict[str, Any]]) -> tuple[str, str | None]:
     """ECHO-2's capacity view: busy fractions, supply against demand, staleness."""
-    keys = {"learner busy frac": "learner_busy_time_frac", "rollout busy frac": "rollout_busy_time_frac",
+    keys = {"learner busy frac": "learner_busy_time_frac",
+            "rollout busy frac": "rollout_busy_time_frac",
             "supply / demand": None, "stale (>=1 version) frac": None}
     series = {}
     for label, key in keys.items():

@@ -40,10 +40,9 @@ import json
 import threading
 import time
 
-from rollwise.pipeline.loop import (Collected, collect, learn, staleness_histogram,
-                                    take_kept)
-from rollwise.run.rundir import Run, StepTimer
+from rollwise.pipeline.loop import Collected, collect, learn, staleness_histogram, take_kept
 from rollwise.pipeline.stages import Stages
+from rollwise.run.rundir import Run, StepTimer
 from rollwise.types import Group, Published
 
 STALE_POLICIES = ("drop", "regenerate")

@@ -48,7 +48,8 @@ from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Episodes, Evaluator, Generated
 from rollwise.pipeline.stages import BuildInfo, Stages, encode_prompts
 from rollwise.rewards import RewardPool, RewardSpec
-from rollwise.system.runtime import allocator_in_use, configure as configure_runtime, free_cores
+from rollwise.system.runtime import allocator_in_use, free_cores
+from rollwise.system.runtime import configure as configure_runtime
 from rollwise.tasks import Task
 from rollwise.types import EncodedPrompt
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rollwise.pipeline.stages import Stages
 from rollwise.rewards import RewardStats
 from rollwise.run.rundir import Run, StepTimer, defer_interrupt
-from rollwise.pipeline.stages import Stages
 from rollwise.types import Group, Sample
 
 

@@ -1,7 +1,8 @@
 r"""LLM-as-judge: a reward term scored by any OpenAI-compatible chat endpoint.
 
-``task.rewards = { judge = 1.0 }`` with a ``[judge]`` section (`rollwise.compose.config.JudgeConfig`):
-``base_url``, ``model``, ``api_key_env`` (the *name* of the environment variable holding the
+``task.rewards = { judge = 1.0 }`` with a ``[judge]`` section
+(`rollwise.compose.config.JudgeConfig`): ``base_url``, ``model``, ``api_key_env`` (the *name*
+of the environment variable holding the
 key; the key itself never goes in a config), ``prompt`` (a template with ``{question}``,
 ``{reference}`` and ``{response}``), ``score_regex`` (its first group is the grade),
 ``max_score`` (grades are divided by it and clipped to [0, 1]), ``timeout_s``, ``retries``,

@@ -10,8 +10,9 @@ Why `fork`: the verifiers are plain callables, lambdas and closures included; a 
 worker inherits them, so nothing but the (text, sample) of each call and its score cross
 the pipe, in microseconds. Workers start with `start()` or the first `score` call of a
 process (a pool copied into a forked process starts its own): `build` starts them before
-the model loads, so they do not hold copy-on-write copies of its pages. They ignore SIGINT (Ctrl-C is the driver's to
-handle), and exit when the pool closes or its process dies (their pipe closes).
+the model loads, so they do not hold copy-on-write copies of its pages. They ignore SIGINT
+(Ctrl-C is the driver's to handle), and exit when the pool closes or its process dies (their
+pipe closes).
 Where `fork` does not exist (Windows) the `spawn` method is used and verifiers must be
 importable functions.
 """
@@ -223,8 +224,9 @@ class RewardPool:
 
         Sets ``t.reward = sum(weight * score)``, ``t.scores = {name: score, ...}``,
         ``t.reward_errors = [RewardIssue, ...]`` (a failure of a term, or its note; a timeout's
-        message reads "timeout after Xs") and ``t.timings["reward"]`` = seconds its verifiers ran (a timed-out call
-        counts as timeout_s). A verifier that raises, times out, returns a non-finite value
+        message reads "timeout after Xs") and ``t.timings["reward"]`` = seconds its verifiers
+        ran (a timed-out call counts as timeout_s). A verifier that raises, times out, returns
+        a non-finite value
         or kills its worker scores 0.
         """
         if self._closed:

@@ -321,7 +321,8 @@ class EpisodeRunner:
                        versions=list(ep.versions), finish_reason=last,
                        text=self.decode(ep.response), loss_mask=list(ep.mask),
                        turns=list(ep.turns),
-                       turn_rewards=[0.0] * len(ep.turn_rewards) if ep.error else list(ep.turn_rewards),
+                       turn_rewards=([0.0] * len(ep.turn_rewards) if ep.error
+                                     else list(ep.turn_rewards)),
                        turn_states=list(ep.turn_states), tree=ep.tree)
         t.reward = reward
         t.scores = {CORRECT: float(ep.success and not ep.error), "env": reward}

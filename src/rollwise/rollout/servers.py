@@ -1,7 +1,8 @@
 """HTTP to inference servers in other processes: a request sent again (to the next server
 when there are several) a bounded number of times when a server is unreachable or answers
-5xx or "busy" (409: a weight update already running; 429: queue full), then one error naming the server, the route and the cause; a request that outlasts
-its time limit is an error at once (never a hang). An answer is read by the caller's
+5xx or "busy" (409: a weight update already running; 429: queue full), then one error
+naming the server, the route and the cause; a request that outlasts its time limit is an
+error at once (never a hang). An answer is read by the caller's
 parser; a body that is not JSON, or that the parser cannot read, is an error naming the
 server and the route at once (a server speaking another protocol is not retried).
 
@@ -17,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-
 
 # answers that say "not now" rather than "never": a weight update already running (a trainer
 # resumed while its server still loads the last one), the server's queue full

@@ -138,7 +138,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     content. A call the reply ended inside counts when its JSON is complete (generation
     stopped at the closing tag).
 
-    >>> content, calls = parse_tool_calls('ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    >>> content, calls = parse_tool_calls(
+    ...     'ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     >>> content, calls[0]["function"]
     ('ok', {'name': 'add', 'arguments': '{"a": 1}'})
     """

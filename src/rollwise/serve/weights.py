@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-FULL, ADAPTER, ADAPTER_CONFIG = "model.safetensors", "adapter_model.safetensors", "adapter_config.json"
+FULL, ADAPTER, ADAPTER_CONFIG = ("model.safetensors", "adapter_model.safetensors",
+                                 "adapter_config.json")
 PEFT_PREFIX = "base_model.model."
 
 
@@ -179,7 +180,7 @@ class WeightStore:
                     old.append((name, target.detach().to("cpu", copy=True)))
                 written += 1
                 target.copy_(new)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure mid-write is undone, then raised
             raise self._undo(e, old, keep, written) from (
                 None if isinstance(e, UpdateError) else e)
         finally:

@@ -63,7 +63,7 @@ def make_task(
     Traceback (most recent call last):
     ...
     ValueError: unknown task 'arithh' (did you mean 'arith'?); accepted: arith, arith_chain, arith_mix, calc_tool, countdown, file, guess, humaneval, lookup, pycode, reasoning_gym, verifiers, or "package.module:function"
-    """
+    """  # noqa: E501 - a doctest's expected message is one line
     builder = TASKS.get(name)
     if path is not None:
         options["path"] = path

@@ -5,8 +5,9 @@
     guess       guess the number in [1, high] with higher/lower feedback (a game)
 
 Each returns a `Task` whose `env` makes one environment per episode. For `guess` the
-prompt is the same for every secret ("guess 1-8:" for the built-in tiny model): held-out "prompts" are fresh episodes (secrets drawn
-with the eval seed), since no prompt can reveal the secret.
+prompt is the same for every secret ("guess 1-8:" for the built-in tiny model): held-out
+"prompts" are fresh episodes (secrets drawn with the eval seed), since no prompt can reveal
+the secret.
 """
 
 from __future__ import annotations

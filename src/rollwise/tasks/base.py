@@ -77,7 +77,8 @@ def as_prompt(text: str, chat: bool) -> Prompt:
 def prompt_key(prompt: Prompt) -> str:
     """The text that identifies a prompt for disjointness (all message contents for chat).
 
-    >>> prompt_key([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}])
+    >>> prompt_key([{"role": "system", "content": "Be brief."},
+    ...             {"role": "user", "content": "1+1="}])
     'Be brief.\\n1+1='
     """
     if isinstance(prompt, str):

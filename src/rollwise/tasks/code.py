@@ -131,7 +131,7 @@ def build_humaneval(
     limits, level = _limits(sandbox, isolation, max_concurrent, sandbox_require)
     problems = list(read_problems().values())
     samples = []
-    for i, p in enumerate(problems):
+    for p in problems:
         if style == "chat":
             text = (f"Complete this Python function.\n```python\n{p['prompt'].strip()}\n```\n"
                     f"{INSTRUCTION}")
