@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from rollwise.engine import NativeEngine, SamplingParams
-from rollwise.engine.projections import Int8Dense, int8_weight_levels
+from rollwise.engine import NativeEngine, SamplingParams, projections
+from rollwise.engine.projections import Int8Dense, int8_kernel, int8_weight_levels
 
 pytestmark = pytest.mark.precision
 
@@ -22,31 +22,83 @@ def workload():
     return load_workload("tiny", 16)
 
 
+# every integer kernel this machine can run: the one `int8_kernel` picks, torch._int_mm
+# (oneDNN's, the reference loop's) and FBGEMM's where torch has it
+KERNELS = sorted({int8_kernel(), "onednn"}
+                 | ({"fbgemm"} if "fbgemm" in torch.backends.quantized.supported_engines
+                    else set()))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("smooth", [False, True])
-def test_int8_product_within_its_rounding_bound(smooth) -> None:
-    """Symmetric rounding puts each operand within half a step of its value: with steps
-    sx_m (per row of x) and sw_n (per row of W), |x_mk - xq_mk sx_m| <= sx_m / 2 and
-    likewise for W, so |y - x W^T|_mn <= sum_k (|x_mk| sw_n + |W_nk| sx_m) / 2 + K sx_m sw_n / 4
-    (integer sums are exact; float32 scaling adds a few ulps, covered by the 1% margin)."""
+def test_int8_product_within_its_rounding_bound(smooth, kernel) -> None:
+    """Rounding puts each operand within half a step of its value: with steps sx_m (per row
+    of x: max|x_m| times the kernel's `activation_step`, 1/127 or FBGEMM's 2/127) and sw_n
+    (per row of W), |x_mk - xq_mk sx_m| <= sx_m / 2 and likewise for W, so
+    |y - x W^T|_mn <= sum_k (|x_mk| sw_n + |W_nk| sx_m) / 2 + K sx_m sw_n / 4 (integer sums
+    are exact; float32 scaling adds a few ulps, covered by the 1% margin)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 96, generator=gen) * torch.linspace(0.1, 5, 96)  # uneven channels
     w = torch.randn(40, 96, generator=gen)
     s = torch.rand(96, generator=gen) + 0.5 if smooth else None
-    lin = Int8Dense(w, None, s)
+    lin = Int8Dense(w, None, s, kernel=kernel)
     got = lin(x)
     xs, ws = (x / s, w * s) if smooth else (x, w)
-    sx = xs.abs().amax(1, keepdim=True) / 127
-    sw = ws.abs().amax(1) / int8_weight_levels()  # 127, or 63 where 8 bits would saturate
+    sx = xs.abs().amax(1, keepdim=True) * lin.activation_step
+    levels = 127 if kernel == "fbgemm" else int8_weight_levels()  # 63 where 8 bits saturate
+    sw = ws.abs().amax(1) / levels
     bound = (xs.abs() @ torch.ones(96, 1) * sw / 2 + sx / 2 * ws.abs().sum(1)
              + 96 * sx * sw / 4)
     err = (got - x @ w.T).abs()
     assert torch.all(err <= bound * 1.01 + 1e-5), float((err / bound).max())
     assert err.max() > 0  # it really is quantized
-    assert lin.wq.dtype == torch.int8
+    # a row's result does not depend on the rows beside it (per-row quantization)
+    assert torch.equal(lin(x[3:4])[0], got[3])
+
+
+def test_fbgemm_product_is_the_exact_integer_product() -> None:
+    """FBGEMM's kernel computes what its quantized operands say: rows scaled to [-1, 1],
+    step 2/127 with zero point 64 (the +1/-1 columns fix that range for every batch),
+    weights per channel; int32 sums, so the result is the float64 integer product up to
+    float32 rounding of the scaling."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch has no FBGEMM")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 576, generator=gen) * 3
+    w = torch.randn(64, 576, generator=gen)
+    lin = Int8Dense(w, None, None, kernel="fbgemm")
+    amax = x.abs().amax(1, keepdim=True)
+    xq = torch.round((x / amax) / (2 / 127)).double()  # in [-64, 64]: never saturates
+    wq = torch.round(w / (w.abs().amax(1, keepdim=True) / 127)).double()
+    want = (xq @ wq.T) * (2 / 127) * amax.double() * (w.abs().amax(1).double() / 127)
+    got = lin(x).double()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_int8_kernel_follows_vnni_and_the_caps(monkeypatch) -> None:
+    """VNNI uncapped: oneDNN's int8 product; capped to AVX2 (either variable) or no VNNI:
+    FBGEMM, as a real AVX2 CPU; neither: the reference loop; on a device: the device's."""
+    for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    assert int8_kernel() == "onednn"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert int8_kernel() == "onednn"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert int8_kernel() == "fbgemm"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert int8_kernel() == "fbgemm"
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert int8_kernel() == "fbgemm"
+    monkeypatch.setattr(projections, "_has_fbgemm", lambda: False)
+    assert int8_kernel() == "loop"
+    assert int8_kernel("meta") == "device"
 
 
 def test_int8_kernel_is_exact_at_the_weight_range_used() -> None:
-    """The integer product is exact for activations in [-127, 127] and weights within the
+    """torch._int_mm is exact for activations in [-127, 127] and weights within the
     range int8_weight_levels() picked for this process (an AVX2 kernel saturates 16-bit
     pair sums beyond 64: the capped CI pass checks that case)."""
     gen = torch.Generator().manual_seed(0)

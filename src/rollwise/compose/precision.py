@@ -17,12 +17,15 @@ result is cached per machine, torch version, vector-ISA caps, threads and shapes
 
 The rule, on the CPU: bfloat16 only where the instruction set computes it natively
 (AVX-512-BF16, AMX, Arm BF16) and the probe measures it faster; otherwise int8 rollouts when
-the probe measures them faster; else float32. Models narrower than MIN_HIDDEN stay float32
+the probe measures them faster and the integer kernel is a real one (oneDNN's VNNI kernels,
+or FBGEMM's on AVX2: `engine.projections.int8_kernel`), never on torch's reference loop;
+else float32. Models narrower than MIN_HIDDEN stay float32
 (their steps are overhead, not arithmetic). The learner takes bfloat16 autocast under the
 same two conditions. The mismatch correction follows: token TIS whenever the engine samples
 at another precision than the learner computes in, none when both are float32. On CUDA:
 bfloat16 where the device supports it. Any explicit setting wins; asking for bfloat16 where
-it is emulated works but warns once with the measured slowdown.
+it is emulated works but warns once with the measured slowdown, and so does asking for
+int8 where only the reference loop computes it.
 
 `ROLLWISE_AUTO_PRECISION=float32` makes `auto` mean float32 everywhere without probing
 (results then do not depend on the machine's speed; the test suite uses it).
@@ -94,6 +97,7 @@ class Probe:
     cached: bool = False
     passes: int = 1  # measurement passes run
     consistent: bool = True  # the passes agreed (only then is the result cached)
+    int8_kernel: str = "onednn"  # engine.projections.int8_kernel: what the int8 figure ran
 
     def speedup(self, kind: str, name: str) -> float:
         table = self.rollout_gflops if kind == "rollout" else self.learner_gflops
@@ -125,7 +129,8 @@ class PrecisionChoice:
         learn = ", ".join(f"{k} {p.speedup('learner', k):.2f}x" for k in p.learner_gflops
                           if k != "float32")
         bf16 = "native bf16" if p.native_bf16 else "no native bf16"
-        return (f"{text} | {p.cpu} ({p.isa}, {bf16}); vs float32: rollout {ratios}; learner "
+        return (f"{text} | {p.cpu} ({p.isa}, {bf16}, int8 by {p.int8_kernel}); vs float32: "
+                f"rollout {ratios}; learner "
                 f"{learn}; {p.threads} threads" + (" [cached probe]" if p.cached else
                 f" [probed in {p.seconds:.1f}s, {p.passes} passes"
                 + ("]" if p.consistent else ": inconsistent, not cached]")))
@@ -291,15 +296,19 @@ def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 
     """Measure (or read from the cache) this CPU's speed per precision on `shapes`: two
     passes, a third when they disagree (module docstring); only a consistent result is
     cached. `fresh` or `ROLLWISE_REPROBE=1`: a cached entry is ignored (and replaced)."""
+    from rollwise.engine.projections import int8_kernel
+
     threads = threads or torch.get_num_threads()
+    kernel = int8_kernel("cpu")
     flags = cpu_flags()
     isa = torch.backends.cpu.get_cpu_capability()
     caps = {k: os.environ[k] for k in _ISA_CAPS if k in os.environ}
     relevant = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))
                       or f in _BF16_FLAGS or f in ("asimd", "sve", "i8mm"))
     key = {"cpu": cpu_name(), "flags": relevant, "isa": isa, "caps": caps,
-           "torch": torch.__version__, "threads": threads, "shapes": asdict(shapes), "v": 2}
-    path = _cache_path(key)  # v2: entries of single-pass probes (v1) are measured again
+           "torch": torch.__version__, "threads": threads, "shapes": asdict(shapes),
+           "int8": kernel, "v": 3}
+    path = _cache_path(key)  # v3: entries from before the FBGEMM kernel are measured again
     if use_cache and path.is_file() and not (fresh or os.environ.get("ROLLWISE_REPROBE")):
         try:
             data = json.loads(path.read_text())
@@ -309,7 +318,8 @@ def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 
     start = time.perf_counter()
     native = native_bf16(flags, isa)
     passes = [Probe(cpu=key["cpu"], isa=isa, flags=relevant, native_bf16=native,
-                    rollout_gflops=r, learner_gflops=lr, threads=threads, caps=caps)
+                    rollout_gflops=r, learner_gflops=lr, threads=threads, caps=caps,
+                    int8_kernel=kernel)
               for r, lr in (_measure(shapes, budget_s) for _ in range(2))]
     consistent = _agree(*passes)
     if not consistent:
@@ -343,7 +353,7 @@ def choose(p: Probe, *, int8: bool = True) -> tuple[str, str]:
 
     if p.native_bf16 and fast("rollout", "bfloat16"):
         rollout = "bfloat16"
-    elif int8 and fast("rollout", "int8"):
+    elif int8 and p.int8_kernel != "loop" and fast("rollout", "int8"):
         rollout = "int8"
     else:
         rollout = "float32"
@@ -373,19 +383,17 @@ def resolve(rollout: str, learner: str, correction: str, *, shapes: ModelShapes 
         bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         auto_rollout, auto_learner = ("bfloat16", "bf16-autocast") if bf16 else (
             "float32", "float32")
-    elif shapes is None or shapes.hidden < MIN_HIDDEN:
-        auto_rollout, auto_learner = "float32", "float32"
-        if shapes is not None and (rollout == "bfloat16" or learner == "bf16-autocast"):
-            p = probe(shapes)  # only to warn when bfloat16 is asked for and emulated
-            if not p.native_bf16:
-                _warn_emulated(p, rollout, learner, echo)
     else:
         wants_bf16 = rollout == "bfloat16" or learner == "bf16-autocast"
-        if "auto" in (rollout, learner) or wants_bf16:
-            p = probe(shapes)
-        auto_rollout, auto_learner = choose(p) if p is not None else ("float32", "float32")
-        if p is not None and wants_bf16 and not p.native_bf16:
-            _warn_emulated(p, rollout, learner, echo)
+        wants_loop = rollout == "int8" and _int8_on_loop()  # explicit int8, no real kernel
+        small = shapes is None or shapes.hidden < MIN_HIDDEN
+        if shapes is not None and (wants_bf16 or wants_loop or ("auto" in (rollout, learner)
+                                                               and not small)):
+            p = probe(shapes)  # small models: only to warn about what is asked for
+        auto_rollout, auto_learner = (choose(p) if p is not None and not small
+                                      else ("float32", "float32"))
+        if p is not None and ((wants_bf16 and not p.native_bf16) or wants_loop):
+            _warn_emulated(p, rollout if wants_bf16 or wants_loop else "", learner, echo)
     if engine != "native":  # the HF engine samples from the model as it is
         auto_rollout = "float32"
     r = auto_rollout if rollout == "auto" else rollout
@@ -394,17 +402,31 @@ def resolve(rollout: str, learner: str, correction: str, *, shapes: ModelShapes 
     return PrecisionChoice(rollout=r, learner=lr, correction=c, source=source, probe=p)
 
 
+def _int8_on_loop() -> bool:
+    from rollwise.engine.projections import int8_kernel
+
+    return int8_kernel("cpu") == "loop"
+
+
 def _warn_emulated(p: Probe, rollout: str, learner: str, echo) -> None:
-    slow = []
-    if rollout == "bfloat16":
+    """Warn once that what was asked for is emulated here (bfloat16 without native
+    bfloat16, int8 on torch's reference loop), with the probe's measured speed."""
+    slow, lacks = [], []
+    if rollout == "bfloat16" and not p.native_bf16:
         slow.append(f"engine.dtype='bfloat16' ran at {p.speedup('rollout', 'bfloat16'):.2f}x "
                     "float32's speed")
-    if learner == "bf16-autocast":
+    if learner == "bf16-autocast" and not p.native_bf16:
         slow.append(f"learner.precision='bf16-autocast' at "
                     f"{p.speedup('learner', 'bf16-autocast'):.2f}x")
-    message = (f"this CPU ({p.cpu}, {p.isa}) has no native bfloat16, so it is emulated: "
-               + "; ".join(slow) + " in the probe. 'auto' would pick "
-               + "/".join(choose(p)) + ".")
+    if slow:
+        lacks.append("no native bfloat16")
+    if rollout == "int8":
+        slow.append(f"engine.dtype='int8' ran at {p.speedup('rollout', 'int8'):.2f}x "
+                    "float32's speed (torch's reference integer loop)")
+        lacks.append("no fast int8 kernel (no VNNI, no FBGEMM)")
+    message = (f"this CPU ({p.cpu}, {p.isa}) has " + " and ".join(lacks)
+               + ", so it is emulated: " + "; ".join(slow) + " in the probe. 'auto' would "
+               "pick " + "/".join(choose(p)) + ".")
     if message in _warned:
         return
     _warned.add(message)
