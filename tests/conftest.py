@@ -10,6 +10,9 @@ import torch
 # `auto` precision means float32 in tests: results must not depend on how fast this CPU's
 # bfloat16 or int8 kernels are (tests of the probe itself unset this).
 os.environ.setdefault("ROLLWISE_AUTO_PRECISION", "float32")
+# `run.memory = "auto"` sees 1 TiB free: runs keep their settings whatever this machine has
+# free (tests of the choice fake their own figure, tests/test_memory_auto.py).
+os.environ.setdefault("ROLLWISE_FREE_MEMORY_MB", str(2**20))
 
 from rollwise.types import Sample, Trajectory
 

@@ -23,18 +23,15 @@ class RunConfig(Section):
     num_steps: int = Field(20, ge=0, description="Training steps (one rollout batch each).")
     checkpoint_every: int = Field(
         50, ge=0, description="Save a checkpoint every N steps, or every checkpoint_minutes, "
-        "whichever comes first (0: by time only); always at the end and on Ctrl-C."
-    )
+        "whichever comes first (0: by time only); always at the end and on Ctrl-C.")
     checkpoint_minutes: float = Field(
         5.0, ge=0, description="Save a checkpoint when this many minutes have passed since the "
-        "last one (0: by step count only)."
-    )
+        "last one (0: by step count only).")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]] = Field(
         default_factory=lambda: ["jsonl"], description="Where metrics go besides the terminal: "
         "jsonl (metrics.jsonl, always written), tensorboard, wandb (offline), mlflow (local "
-        "files), trackio (local); each but jsonl is an optional extra (docs/metrics.md)."
-    )
+        "files), trackio (local); each but jsonl is an optional extra (docs/metrics.md).")
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1'.")
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: the cores not busy with "
                          "other work at start).")
@@ -45,9 +42,12 @@ class RunConfig(Section):
         "'jemalloc' (the rollwise commands run again with it preloaded: nearly compact's "
         "memory, less of its time; the library Ray ships, or $ROLLWISE_JEMALLOC; "
         "docs/performance.md).")
+    memory: Literal["auto", "default", "low"] = Field(
+        "auto", description="'low': bfloat16 master weights and moments, activation "
+        "checkpointing, release_memory (docs/performance.md, Memory); 'auto': those when less "
+        "memory is free at start than the run's expected peak; 'default'. Set keys win.")
     overwrite: bool = Field(
-        False, description="Replace an existing run directory of the same name (else -2, -3..)."
-    )
+        False, description="Replace an existing run directory of the same name (else -2, -3..).")
     backend: Literal["local", "ray"] = Field(
         "local", description="'local' (one process) or 'ray' (rollout workers, the reward "
         "pool and the learner as Ray actors driven by this process; pip install "
@@ -123,9 +123,8 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1: off).")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     max_tokens: int = Field(64, ge=1, description="Maximum response tokens.")
-    max_prompt_tokens: int = Field(
-        512, ge=1, description="Longer prompts are skipped and counted."
-    )
+    max_prompt_tokens: int = Field(512, ge=1,
+                                   description="Longer prompts are skipped and counted.")
 
 
 class EngineConfig(Section):

@@ -20,6 +20,12 @@ from pathlib import Path
 from rollwise.models.tiny import cache_root
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sizes of its config (as configs/shapes/smollm2-135m.json), known before the model is
+# converted or loaded: `run.memory = "auto"` estimates a run's peak from them
+# (compose/memory.py).
+SHAPE = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+         "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True}
 
 
 def gguf_dir() -> Path:

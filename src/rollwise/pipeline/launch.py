@@ -7,7 +7,9 @@
 In this order, so that a typo costs a second, not a model load, and nothing on disk
 changes before every check has passed:
 
-1. resuming: what the config (and the reward functions passed from Python) change from
+1. `run.memory` settles (compose/memory.py: the low-memory settings where less memory is
+   free than the run's expected peak; a resumed run keeps its first start's choice);
+   resuming: what the config (and the reward functions passed from Python) change from
    the run's own is refused where it alters what the finished steps used, unless
    `allow_changes`; a run started from Python with functions config.toml cannot name is
    resumed only with the same functions; a finished run stops here (`RunFinished`),
@@ -40,6 +42,8 @@ FREE_TO_CHANGE = ("run.num_steps", "run.threads", "run.allocator", "run.checkpoi
                   "eval.", "health.")
 # where the stages run, not what they compute (group numbering makes the samples the same)
 FREE_TO_CHANGE += ("run.backend", "ray.")
+# how the memory settings were chosen: the learner keys it set are compared themselves
+FREE_TO_CHANGE += ("run.memory",)
 
 
 class RunFinished(Exception):
@@ -128,16 +132,20 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
     run's step lines, `warn` what deserves attention (default: `echo`). Raises
     ConfigError (and ValueError, RunLockedError) before anything changes on disk, and
     `RunFinished` when `resume` has nothing left to train."""
+    from rollwise.compose.memory import choose_memory
+    from rollwise.compose.preflight import check_config
+    from rollwise.observe.loggers import check_loggers
     from rollwise.pipeline.build import build
     from rollwise.run.health import HealthCheck
-    from rollwise.observe.loggers import check_loggers
-    from rollwise.compose.preflight import check_config
     from rollwise.system.runlock import RunLock
 
     warn = warn or echo
     rewards = rewards or {}
     functions = describe_functions(rewards)
     changes: dict[str, tuple] = {}
+    # run.memory: the low-memory settings when too little is free (a resumed run: its own)
+    cfg, memory = choose_memory(
+        cfg, resumed=None if resume is None else read_run_file(resume).get("memory", {}))
     if resume is not None:
         changes = resume_changes(resume, cfg, functions, allow_changes)
         step = finished_step(resume, cfg.run.num_steps)
@@ -150,6 +158,8 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
     lock = RunLock(resume) if resume is not None else None  # refuse a live run first
     echo(f"rollwise {cfg.run.name}: model {cfg.model.name}, task {cfg.task.name}, "
          f"{cfg.run.num_steps} steps -> {resume if resume is not None else cfg.run.output_dir}")
+    if (line := memory.line()) is not None:  # a switch the machine made deserves attention
+        (warn if memory.setting == "auto" and not memory.resumed else echo)(line)
     try:
         stages = build(cfg, rewards)
     except BaseException:
@@ -163,9 +173,9 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
     run = Run(root, resume=resume is not None, config_toml=to_toml(cfg), lock=lock, echo=echo,
               keep_checkpoints=cfg.run.keep_checkpoints, loggers=_loggers(cfg, root, warn),
               health=HealthCheck(cfg.health.patience, cfg.health.max_loss, cfg.health.max_kl))
-    update_run_file(root, functions=functions)
+    update_run_file(root, functions=functions, memory=memory.record())
     run.summary.update({"model": cfg.model.name, "task": cfg.task.name,
-                        **stages.info.summary()})
+                        **stages.info.summary(), "memory": memory.record()})
     if functions:
         run.summary["python_rewards"] = sorted(functions)
     run.config_changes = {k: list(v) for k, v in changes.items()}
