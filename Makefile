@@ -9,6 +9,12 @@ TORCH  := torch==2.13.0
 # The vector-ISA cap under which `make test` also checks the path AVX2-only CPUs take (torch's
 # kernel dispatch, oneDNN and MKL); tests/test_precision_auto.py checks that it takes effect.
 AVX2_CAP := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+# pytest-xdist workers: one per core on the 2-core machines the suite is sized for (each file
+# stays on one worker, Ray tests share one: tests/conftest.py)
+WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -n $(WORKERS) --dist loadgroup
+# The CPU's own best vector ISA (its flags; a cap does not change them)
+BEST_ISA = $$($(PY) -c "from rollwise.compose.precision import best_isa; print(best_isa())")
 
 .PHONY: setup run test test-avx2 test-slow tiny lint clean
 
@@ -39,17 +45,23 @@ tiny: setup
 	$(VENV)/bin/rollwise train configs/tiny_arith.toml
 
 test: setup
-	$(VENV)/bin/pytest
-	env $(AVX2_CAP) $(VENV)/bin/pytest -m "precision and not slow"
+	$(PYTEST)
+	@$(MAKE) --no-print-directory test-avx2
 
+# The precision tests again with the vector ISA capped to AVX2, where the CPU has more than
+# AVX2 (on an AVX2 CPU the run above already took that path).
 test-avx2: setup
-	env $(AVX2_CAP) $(VENV)/bin/pytest -m "precision and not slow"
+	@isa=$(BEST_ISA); case "$$isa" in avx512*|amx) \
+	  echo "test-avx2: this CPU's best ISA is $$isa; the precision tests again, capped to AVX2"; \
+	  env $(AVX2_CAP) $(PYTEST) -m "precision and not slow";; \
+	*) echo "test-avx2: skipped: this CPU's best ISA is $$isa, so the run above was the AVX2 path";; esac
 
+# everything, slow tests included (SmolLM2 loads, the long fuzzing tier)
 test-slow: setup
-	$(VENV)/bin/pytest -m "slow or not slow"
+	$(PYTEST) -m "slow or not slow"
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests scripts
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

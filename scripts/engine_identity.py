@@ -6,8 +6,9 @@
 Runs greedy and seeded sampled `generate` (4 prompts x n=4, 48 tokens, seed 7), then the
 same sampled requests through submit/step with divided rollout (`chunk_tokens`), a tight
 KV budget (preemption, park and restore), a drafter (exact verification), reused drafts
-with SPEC-RL lenience, a static batch, and aborts with resumes across a publication. `check` exits 1 unless every token id and log-prob, every
-finish reason and the deterministic counters equal the recorded ones bit for bit.
+with SPEC-RL lenience, a static batch, and aborts with resumes across a publication.
+`check` exits 1 unless every token id and log-prob, every finish reason and the
+deterministic counters equal the recorded ones bit for bit.
 """
 
 from __future__ import annotations

@@ -62,8 +62,9 @@ def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> t
     """Run a command, its output to `log`; (exit code, last lines)."""
     with log.open("w") as f:
         try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False,
-                                  env={**os.environ, **(env or {})}, cwd=ROOT).returncode
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                  check=False, env={**os.environ, **(env or {})},
+                                  cwd=ROOT).returncode
         except subprocess.TimeoutExpired:
             code = 124
     tail = log.read_text(errors="replace").splitlines()[-15:]

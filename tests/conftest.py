@@ -108,3 +108,12 @@ def make_trajectory():
 def random_trajectories():
     """Builder: random_trajectories(n, seed=0) -> ragged list of Trajectory."""
     return _random_trajectories
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two pytest-xdist workers with `--dist loadgroup`: each test file stays
+    on one worker (its module fixtures are built once), and the files on a local Ray
+    cluster share one worker, so two clusters never start at once."""
+    for item in items:
+        group = "ray" if item.get_closest_marker("ray") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))

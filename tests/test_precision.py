@@ -163,8 +163,8 @@ def test_mismatch_metrics_vanish_at_the_same_precision(workload, correction) -> 
 
 
 def test_rollout_dtype_config_reaches_the_engines(tmp_path) -> None:
-    from rollwise.pipeline.build import build
     from rollwise.compose.config import ConfigError, load_config
+    from rollwise.pipeline.build import build
 
     base = [f"run.output_dir='{tmp_path}'", "run.threads=1", "task.num_eval=8"]
     stages = build(load_config(CONFIG, [*base, "engine.dtype='bfloat16'"]))
@@ -181,8 +181,8 @@ def test_rollout_dtype_config_reaches_the_engines(tmp_path) -> None:
 def test_bf16_rollouts_with_tis_train_like_float32(tmp_path) -> None:
     """60 steps of the tiny config: bfloat16 rollouts + bfloat16 learner + TIS raise the
     reward and reach the float32 run's level (same seed), with the mismatch reported."""
-    from rollwise.pipeline.build import build
     from rollwise.compose.config import load_config, to_toml
+    from rollwise.pipeline.build import build
     from rollwise.pipeline.loop import train
     from rollwise.run.rundir import Run
 
@@ -213,8 +213,8 @@ def test_compare_runs_reports_mismatch_and_publication(tmp_path) -> None:
     """Two short tiny runs (float32; bfloat16 + TIS) compared side by side: the bfloat16
     run records its publication cost and the mismatch, the float32 run neither."""
     from rollwise.bench.e2e import PRECISIONS, compare_runs
-    from rollwise.pipeline.build import build
     from rollwise.compose.config import load_config, to_toml
+    from rollwise.pipeline.build import build
     from rollwise.pipeline.loop import train
     from rollwise.run.rundir import Run
 
@@ -239,9 +239,9 @@ def test_eval_of_a_bf16_run_reads_its_trained_weights(tmp_path) -> None:
     publish it to the bfloat16 engine: it reproduces the run's final evaluation."""
     from typer.testing import CliRunner
 
-    from rollwise.pipeline.build import build
     from rollwise.cli import app
     from rollwise.compose.config import load_config, to_toml
+    from rollwise.pipeline.build import build
     from rollwise.pipeline.loop import train
     from rollwise.run.rundir import Run
 

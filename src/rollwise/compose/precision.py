@@ -176,6 +176,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def best_isa(flags: set[str] | None = None) -> str:
+    """The CPU's own best vector ISA, from its flags (an environment cap changes what torch
+    and oneDNN dispatch to, never these): amx, avx512_bf16, avx512_vnni, avx512, avx2,
+    arm_bf16, arm or baseline. Figures and pinned metrics name it beside torch's dispatch."""
+    flags = cpu_flags() if flags is None else flags
+    for name, needs in (("amx", {"amx_bf16"}), ("avx512_bf16", {"avx512_bf16"}),
+                        ("avx512_vnni", {"avx512_vnni"}), ("avx512", {"avx512f"}),
+                        ("avx2", {"avx2"}), ("arm_bf16", {"bf16"}), ("arm", {"asimd"})):
+        if needs <= flags:
+            return name
+    return "baseline"
+
+
 def native_bf16(flags: set[str], isa: str) -> bool:
     """bfloat16 in hardware, and torch not capped below the ISA that has it. An AVX2 or
     DEFAULT dispatch (e.g. ATEN_CPU_CAPABILITY=avx2) means the bf16 instructions go unused."""

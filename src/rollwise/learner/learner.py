@@ -92,14 +92,12 @@ class Learner:
             self.optimizer, lambda s: lr_factor(s, warmup_steps, lr_schedule, total_steps))
         if memory_budget_mb > 0:
             micro_batch_tokens, logprob_chunk = fit_budget(
-                model, memory_budget_mb, precision=precision,
-                checkpointing=activation_checkpointing,
-                micro_batch_tokens=micro_batch_tokens, logprob_chunk=logprob_chunk)
+                model, memory_budget_mb, precision=precision, logprob_chunk=logprob_chunk,
+                checkpointing=activation_checkpointing, micro_batch_tokens=micro_batch_tokens)
         self.grad_clip, self.micro_batch_tokens = grad_clip, micro_batch_tokens
         self.logprob_chunk, self.precision, self.temperature = logprob_chunk, precision, temperature
         self.kl_fn, self.kl_coef, self.ppo_epochs = kl_fn, kl_coef, ppo_epochs
-        # with kl_in_reward the driver puts the KL term in the reward instead
-        self.kl_loss_coef = 0.0 if kl_in_reward else kl_coef
+        self.kl_loss_coef = 0.0 if kl_in_reward else kl_coef  # else in the reward (driver)
         self.entropy_coef = entropy_coef
         self.correction_fn, self.correction_options = correction_fn, dict(correction_options or {})
         # zero-advantage rows add nothing to the gradient: safe to skip (module docstring)

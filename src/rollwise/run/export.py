@@ -37,8 +37,8 @@ def load_run_policy(run_dir: Path, step: int | None = None):
     """(policy, checkpoint, run state) of `run_dir` at `step` (default: the latest
     checkpoint), LoRA folded in, on the CPU whatever device the run trained on (its
     checkpoints are plain safetensors): exporting or serving a GPU run needs no GPU."""
-    from rollwise.learner.checkpoint import load_checkpoint
     from rollwise.compose.parts import build_policy
+    from rollwise.learner.checkpoint import load_checkpoint
     from rollwise.tasks import make_task
 
     run_dir = Path(run_dir)

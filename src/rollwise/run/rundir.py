@@ -1,7 +1,8 @@
 """The run directory: everything a run produced, and resuming from it.
 
     runs/<name>/config.toml          the resolved config
-    runs/<name>/metrics.jsonl        one line per training step (kind "train") or evaluation ("eval")
+    runs/<name>/metrics.jsonl        one line per training step (kind "train") or
+                                     evaluation ("eval")
     runs/<name>/trajectories.sqlite  every trajectory of the run
     runs/<name>/checkpoints/step_N/  weights, optimizer, RNG and data-cursor state
     runs/<name>/summary.json         final figures (eval_before, eval_after, train_seconds, ...)
@@ -14,11 +15,12 @@
 What makes a resumed run equal an uninterrupted one: at the end of every step (inside the
 block Ctrl-C waits for) the run takes a `snapshot` (a `records.Snapshot`) of everything
 that changes between steps and is not the weights or the optimizer: RNG states, data
-cursor, allocator and rollout-pool state, counters. Every checkpoint, the periodic ones and the one written on
-Ctrl-C, is written from the latest snapshot, so an interrupt in the middle of step N+1
-(prompts drawn, RNG advanced) still saves exactly the state after step N. A driver that
-rolls out ahead (the asynchronous one) supplies the stages' part itself (`hold_stage_state`):
-the batches it already collected for the later steps, and the state as of the last of them.
+cursor, allocator and rollout-pool state, counters. Every checkpoint, the periodic ones
+and the one written on Ctrl-C, is written from the latest snapshot, so an interrupt in the
+middle of step N+1 (prompts drawn, RNG advanced) still saves exactly the state after step N.
+A driver that rolls out ahead (the asynchronous one) supplies the stages' part itself
+(`hold_stage_state`): the batches it already collected for the later steps, and the state
+as of the last of them.
 """
 
 from __future__ import annotations
