@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +16,14 @@ os.environ.setdefault("ROLLWISE_AUTO_PRECISION", "float32")
 # `run.memory = "auto"` sees 1 TiB free: runs keep their settings whatever this machine has
 # free (tests of the choice fake their own figure, tests/test_memory_auto.py).
 os.environ.setdefault("ROLLWISE_FREE_MEMORY_MB", str(2**20))
+# Under pytest-xdist (make test) each worker keeps its temporary files apart, so a test that
+# looks for sandbox processes left behind (test_sandbox.py) sees its own worker's only. Ray
+# keeps its usual folder (its socket paths have a length limit).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("RAY_TMPDIR", tempfile.gettempdir())
+    tempfile.tempdir = tempfile.mkdtemp(prefix=f"rollwise-{os.environ['PYTEST_XDIST_WORKER']}-")
+    os.environ["TMPDIR"] = tempfile.tempdir
+    atexit.register(shutil.rmtree, tempfile.tempdir, ignore_errors=True)
 
 from rollwise.types import Sample, Trajectory
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,11 +53,13 @@ def _contained(level: str) -> bool:
 
 
 def _sandbox_processes() -> list[psutil.Process]:
-    """Live processes whose environment points into a sandbox directory."""
+    """Live processes whose environment points into a sandbox directory of this process's
+    temporary folder (each pytest-xdist worker has its own: tests/conftest.py)."""
     found = []
+    mine = os.path.join(os.path.realpath(tempfile.gettempdir()), "rollwise-sbx-")
     for proc in psutil.process_iter():
         try:
-            if "rollwise-sbx-" in proc.environ().get("HOME", ""):
+            if proc.environ().get("HOME", "").startswith(mine):
                 found.append(proc)
         except (psutil.Error, OSError):
             continue
