@@ -41,8 +41,17 @@ def load_workload(model: str, num_prompts: int, seed: int = 0, device: str = "cp
 def matmul_peak_gflops(dtype: torch.dtype, size: int = 2048, reps: int = 5,
                        device: str = "cpu") -> float:
     """Median GFLOP/s of a plain size x size matrix product in `dtype` on this machine now
-    (int8: GOP/s of torch._int_mm, int32 accumulation)."""
-    if dtype == torch.int8:
+    (int8: GOP/s of the engine's integer product, `int8_kernel`: torch._int_mm, or FBGEMM's
+    with its activation quantization; int32 accumulation)."""
+    from rollwise.engine.projections import Int8Dense, int8_kernel
+
+    if dtype == torch.int8 and int8_kernel(device) == "fbgemm":
+        lin = Int8Dense(torch.randn(size, size), None, kernel="fbgemm")
+        a = torch.randn(size, size)
+
+        def product() -> torch.Tensor:
+            return lin(a)
+    elif dtype == torch.int8:
         a = torch.randint(-63, 64, (size, size), dtype=torch.int8, device=device)
         b = torch.randint(-63, 64, (size, size), dtype=torch.int8, device=device).t()
 
