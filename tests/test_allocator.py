@@ -67,6 +67,7 @@ def test_jemalloc_returns_what_a_run_frees() -> None:
     assert out[0] == "jemalloc" and int(out[-1]) < 50  # of 384 MiB freed
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_a_run_says_which_allocator_it_used(tmp_path) -> None:
     env = _clean_env() | {"ROLLWISE_NO_PROGRESS": "1", "COLUMNS": "200"}
     out = subprocess.run(

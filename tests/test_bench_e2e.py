@@ -15,6 +15,7 @@ SMALL = ["task.num_train=48", "task.num_eval=20", "rollout.prompts_per_step=4",
          "rollout.group_size=4", "run.threads=1"]
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_bench_e2e_command_splits_steps_and_times_accuracy(tmp_path):
     from typer.testing import CliRunner
 

@@ -95,6 +95,7 @@ def test_bench_summary_counts_cost_to_the_first_evaluation_on_target(tmp_path):
     assert summarise(recs, 2.0)["rollouts_to_target"] is None
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_bench_alloc_command_writes_json_and_page(tmp_path):
     from typer.testing import CliRunner
 

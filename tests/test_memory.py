@@ -185,6 +185,7 @@ TINY_SHAPE = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128
               "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 256}
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_bench_memory_full_and_lora(tmp_path, monkeypatch) -> None:
     import json
 

@@ -83,6 +83,7 @@ def _tracks_adamw(name: str, bound: float) -> None:
     assert losses[-1] == pytest.approx(ref_losses[-1], rel=0.05)
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_float8_adamw_tracks_adamw() -> None:
     _tracks_adamw("adamw-fp8", bound=0.094)
 
@@ -156,6 +157,7 @@ def test_a_missing_torchao_is_named(monkeypatch) -> None:
         build_optimizer("sgd", [w], lr=1e-3, betas=BETAS, weight_decay=0.0)
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_loading_a_model_beside_torchao_prints_no_import_noise() -> None:
     """transformers imports torchao at every model load when it is installed; its warnings
     about GPU-only kernels (and torch's deprecation notes) must not reach a run's output."""

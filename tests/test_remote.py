@@ -292,6 +292,7 @@ def test_a_busy_server_is_asked_again_and_a_refusal_is_not():
         httpd.shutdown()
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_bench_sync_times_each_phase_and_a_bfloat16_server_loads_half_the_bytes(tmp_path):
     """`rollwise bench sync` on the tiny model: a bfloat16 server asked for its precision
     gets bfloat16 files, half the float32 ones; every phase timed; the server's greedy

@@ -25,6 +25,7 @@ def records(cfg) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_partial_context_training_raises_reward_and_reports_staleness(tmp_path):
     cfg = small(tmp_path, "run.num_steps=50", "rollout.prompts_per_step=16", *PARTIAL)
     stages = build(cfg)

@@ -345,7 +345,7 @@ def probe(shapes: ModelShapes, *, threads: int | None = None, budget_s: float = 
     if use_cache and consistent:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".tmp{os.getpid()}")  # parallel writers (test workers)
             tmp.write_text(json.dumps(asdict(result) | {"cached": False}))
             tmp.replace(path)
         except OSError:
