@@ -53,6 +53,7 @@ def test_config_typo_is_a_clear_error(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_ctrl_c_checkpoints_and_resume_finishes(tmp_path):
     args = [sys.executable, "-m", "rollwise", "train", str(ROOT / "configs/tiny_arith.toml"),
             *QUICK, "--set", "run.num_steps=200", "--set", "eval.before=false"]

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from rollwise.cli import app, os_error_message
@@ -87,6 +88,7 @@ def test_config_changes_lists_only_differences():
                                     "task.options.digits": (2, 3)}
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_allowed_changes_are_recorded_and_extending_needs_no_flag(tmp_path):
     first = rollwise("train", CONFIG, *QUICK, "--set", "run.num_steps=1",
                      "--set", "eval.before=false", cwd=tmp_path)

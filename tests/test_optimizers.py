@@ -116,6 +116,7 @@ def test_resume_from_quantized_moments_equals_the_uninterrupted_run(tmp_path) ->
     assert torch.equal(resumed, whole)
 
 
+@pytest.mark.slow  # `make test` stays within 8 minutes on 2 cores
 def test_learner_trains_and_resumes_with_a_low_bit_optimizer(tiny_llama, random_trajectories,
                                                              tmp_path) -> None:
     """The learner's state dict (optimizer + learning-rate schedule) round-trips through a
