@@ -108,13 +108,10 @@ def params_of(shape: str, shapes_dir: Path = SHAPES_DIR) -> int:
 
 
 def _available_mb() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return float("inf")
+    from rollwise.compose.memory import available_mb
+
+    free = available_mb()
+    return float("inf") if free is None else free
 
 
 def run(shapes: tuple[str, ...] = ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b"),

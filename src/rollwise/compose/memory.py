@@ -123,6 +123,12 @@ def free_mb() -> float | None:
             return float(faked)
         except ValueError:
             raise ValueError(f"${FREE_ENV} = {faked!r}: not a number of MiB") from None
+    return available_mb()
+
+
+def available_mb() -> float | None:
+    """MiB the system could give a new process now (MemAvailable of /proc/meminfo, else
+    psutil's `available`); None when neither can tell."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
