@@ -136,6 +136,8 @@ def test_explicit_int8_on_the_loop_warns_with_the_measured_slowdown(monkeypatch)
     monkeypatch.setattr(P, "_warned", set())
     P.resolve("int8", "float32", "auto", shapes=SHAPES, echo=said.append)
     assert len(said) == 1
+    P.resolve("int8", "bf16-autocast", "auto", shapes=SHAPES, echo=said.append)
+    assert len(said) == 2 and "bfloat16" in said[1] and "int8" not in said[1].split("'auto'")[0]
 
 
 def test_native_bf16_needs_the_flag_and_an_uncapped_isa(monkeypatch) -> None:

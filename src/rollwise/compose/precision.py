@@ -406,7 +406,7 @@ def resolve(rollout: str, learner: str, correction: str, *, shapes: ModelShapes 
         auto_rollout, auto_learner = (choose(p) if p is not None and not small
                                       else ("float32", "float32"))
         if p is not None and ((wants_bf16 and not p.native_bf16) or wants_loop):
-            _warn_emulated(p, rollout if wants_bf16 or wants_loop else "", learner, echo)
+            _warn_emulated(p, rollout, learner, echo, int8_loop=wants_loop)
     if engine != "native":  # the HF engine samples from the model as it is
         auto_rollout = "float32"
     r = auto_rollout if rollout == "auto" else rollout
@@ -421,7 +421,8 @@ def _int8_on_loop() -> bool:
     return int8_kernel("cpu") == "loop"
 
 
-def _warn_emulated(p: Probe, rollout: str, learner: str, echo) -> None:
+def _warn_emulated(p: Probe, rollout: str, learner: str, echo, int8_loop: bool = False
+                   ) -> None:
     """Warn once that what was asked for is emulated here (bfloat16 without native
     bfloat16, int8 on torch's reference loop), with the probe's measured speed."""
     slow, lacks = [], []
@@ -433,7 +434,7 @@ def _warn_emulated(p: Probe, rollout: str, learner: str, echo) -> None:
                     f"{p.speedup('learner', 'bf16-autocast'):.2f}x")
     if slow:
         lacks.append("no native bfloat16")
-    if rollout == "int8":
+    if rollout == "int8" and int8_loop:
         slow.append(f"engine.dtype='int8' ran at {p.speedup('rollout', 'int8'):.2f}x "
                     "float32's speed (torch's reference integer loop)")
         lacks.append("no fast int8 kernel (no VNNI, no FBGEMM)")
