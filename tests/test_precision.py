@@ -329,3 +329,31 @@ def test_packed_bf16_weights_give_the_plain_product() -> None:
     for shape in [(64, 1, 40), (3, 7, 40), (1, 40)]:
         x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
         assert torch.equal(packed(x), plain(x))
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch's BLAS is not MKL")
+def test_float32_products_do_not_depend_on_the_thread_count() -> None:
+    """rollwise sets MKL's strict reproducibility mode on import: without it, MKL on an AVX2
+    EPYC summed 5-11 rows against SmolLM2's 1536-wide down projection differently at 1
+    and 2 threads, and a run's int8 rollouts changed with run.threads. Every row count up
+    to 64 must now give the same bits at both."""
+    import os
+
+    import rollwise  # noqa: F401  (sets MKL_CBWR)
+
+    assert os.environ["MKL_CBWR"]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(576, 1536, generator=gen) * 0.02
+    before = torch.get_num_threads()
+    differing = []
+    try:
+        for rows in range(1, 65):
+            x = torch.randn(rows, 1536, generator=gen)
+            torch.set_num_threads(1)
+            one = torch.nn.functional.linear(x, w)
+            torch.set_num_threads(2)
+            if not torch.equal(one, torch.nn.functional.linear(x, w)):
+                differing.append(rows)
+    finally:
+        torch.set_num_threads(before)
+    assert differing == []

@@ -8,7 +8,16 @@ Heavy parts (torch, transformers) load on first use, so `import rollwise.observe
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
+
+# MKL's float32 products split their sums differently at 1 and at 2 threads for a few
+# shapes (5 to 11 rows against SmolLM2's 1536-wide down projection, measured on an AVX2
+# EPYC), so a run's rollouts depended on run.threads. MKL's strict reproducibility mode
+# makes every product independent of the thread count, at no measured cost
+# (docs/precision.md). MKL reads this at its first product, so it holds when rollwise is
+# imported before any; a value set by the user wins. Builds without MKL ignore it.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 # transformers imports torchao (the `lowbit` extra: learner.optimizer's low-bit moments)
 # whenever it is installed, at every model load; that import logs a warning for each
