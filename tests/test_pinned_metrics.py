@@ -6,8 +6,10 @@
     blocking change summation order, and sampling or a greedy argmax amplifies the last bit),
     so the pins are kept per kind: `pin_kind()`, which names torch's dispatch capability
     (it honours ATEN_CPU_CAPABILITY), the CPU's own best ISA from its flags (a cap does not
-    hide hardware checks, so a capped AVX-512 CPU is not a real AVX2 one) and torch's
-    version. A kind with no pin skips this layer with one line naming its key.
+    hide hardware checks, so a capped AVX-512 CPU is not a real AVX2 one), torch's version
+    and MKL's reproducibility mode where MKL runs the products (rollwise sets MKL_CBWR on
+    import, which changes the float32 bits against MKL's default). A kind with no pin skips
+    this layer with one line naming its key.
 
 (b) A replay that runs on every kind. The tokens the pinned default run sampled (recorded
     once, tests/data/pinned_replay.json) are fed back teacher-forced: no sampling, no argmax.
@@ -89,7 +91,9 @@ def pin_kind(flags: set[str] | None = None, capability: str | None = None) -> st
     """The key of this process's exact pins: what changes the float32 bits (docstring)."""
     flags = cpu_flags() if flags is None else flags
     capability = capability or torch.backends.cpu.get_cpu_capability()
-    return f"{capability} on {best_isa(flags)} torch {torch.__version__}"
+    kind = f"{capability} on {best_isa(flags)} torch {torch.__version__}"
+    mode = os.environ.get("MKL_CBWR") if torch.backends.mkl.is_available() else None
+    return f"{kind} mkl {mode}" if mode else kind
 
 
 def _run(tmp_path: Path, extra: list[str], config: Path = CONFIG, stages_hook=None
@@ -157,7 +161,13 @@ def test_metrics_match_the_pinned_run(tmp_path, variant):
     assert len(train_steps) == 6 and any(r["loss"] != 0 for r in train_steps)
 
 
-def test_pin_kind_tells_a_capped_cpu_from_a_real_one():
+def test_pin_kind_tells_a_capped_cpu_from_a_real_one(monkeypatch):
+    if torch.backends.mkl.is_available():  # and MKL's reproducibility mode, which moves bits
+        assert pin_kind().endswith(f" mkl {os.environ['MKL_CBWR']}")
+        monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+        assert pin_kind().endswith(" mkl COMPATIBLE")
+        monkeypatch.delenv("MKL_CBWR")
+        assert " mkl " not in pin_kind()
     real = pin_kind({"avx2", "fma", "f16c"}, "AVX2")
     capped = pin_kind({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, "AVX2")
     assert real.startswith("AVX2 on avx2 ") and capped.startswith("AVX2 on avx512_bf16 ")
