@@ -69,8 +69,8 @@ pytestmark = pytest.mark.precision  # `make test` runs them capped to AVX2 too
 # across steps) and the adaptive allocator's extra rounds.
 VARIANTS = {
     "default": [],
-    "hf": ["rollout.engine='hf'"],
-    "partial_reuse": ["rollout.strategy='partial'", "rollout.spec_reuse=true"],
+    "hf": ["engine.name='hf'"],
+    "partial_reuse": ["schedule.strategy='partial'", "speculation.reuse=true"],
     "dynamic": ["control.allocator='dynamic'"],
 }
 # measurements of this machine, not arithmetic: times, and the process's memory peaks
@@ -313,7 +313,7 @@ def test_quickstart_first_steps_match_the_pinned_run(tmp_path):
     """The quickstart's first two steps on SmolLM2, in float32, per CPU kind (layer (a))."""
     kind = pin_kind()
     records = _run(tmp_path, ["run.num_steps=2", "rollout.prompts_per_step=4",
-                              "task.num_eval=16", "eval.every=0", "rollout.dtype='float32'",
+                              "task.num_eval=16", "eval.every=0", "engine.dtype='float32'",
                               "learner.precision='float32'", "algorithm.correction='none'"],
                    config=QUICKSTART)
     if WRITE:
