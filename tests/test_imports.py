@@ -214,3 +214,26 @@ def test_engine_parts_stay_apart():
     for part in ("rollwise.engine.admission", "rollwise.engine.verifier"):
         assert "rollwise.engine.native" not in graph[part], part
     assert "rollwise.pipeline.build" not in graph["rollwise.pipeline.loop"]
+
+
+def _face_imports(part: str) -> tuple[str, ...] | None:
+    """What `part/__init__.py`'s docstring says the folder may import: its paragraph
+    "May import: a, b, c." (or "May import: nothing from rollwise."), None if it has none."""
+    doc = ast.get_docstring(_tree(f"rollwise.{part}")) or ""
+    for paragraph in doc.split("\n\n"):
+        text = " ".join(paragraph.split())
+        if text.startswith("May import: "):
+            names = text.removeprefix("May import: ").split(".")[0]
+            return () if names.startswith("nothing") else tuple(
+                n.strip().strip("`") for n in names.split(","))
+    return None
+
+
+def test_every_folder_face_says_what_it_may_import():
+    """Each folder's `__init__` says what lives there (its docstring's first paragraph) and
+    what the folder may import, in the words of `LAYERS` (same names, any order)."""
+    folders = sorted(p.parent.name for p in ROOT.joinpath("rollwise").glob("*/__init__.py"))
+    wrong = {part: (_face_imports(part), LAYERS[part]) for part in folders
+             if _face_imports(part) is None
+             or sorted(_face_imports(part)) != sorted(LAYERS[part])}
+    assert not wrong, f"__init__ docstring -> LAYERS: {wrong}"

@@ -10,6 +10,8 @@
 
 The learner and driver call these only through the registries; a new estimator is one
 function plus one `@register` line. docs/algorithms.md lists every name.
+
+May import: registry.
 """
 
 from rollwise.algos import (  # noqa: F401  (registers)

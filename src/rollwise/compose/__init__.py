@@ -2,6 +2,6 @@
 the checks run before anything loads (`preflight`), precision chosen by the machine
 (`precision`) and one builder per part (`parts`).
 
-May import the components (engine, rollout, rewards, learner, tasks, control, models,
-algos) and `system`; never `run`, `distributed` or `pipeline`.
+May import: types, registry, system, algos, models, replay, engine, rewards, control, envs,
+tasks, learner, rollout.
 """

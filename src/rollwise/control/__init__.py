@@ -5,6 +5,8 @@
 - `Allocator` protocol and `ALLOCATORS` (uniform, dynamic, thompson, pilot_commit, dars, vcrl,
   gdro; aero, xrpo, hive in control/adaptive.py), driven round by round by a `Controller`.
   See docs/allocation.md.
+
+May import: types, registry.
 """
 
 from rollwise.control import adaptive  # noqa: F401  (registers aero, xrpo, hive)

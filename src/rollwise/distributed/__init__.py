@@ -2,8 +2,9 @@
 
 The driver stays one process running the same drivers over the same `Stages`; its two
 ports (rollout, trainer) are placed on actors here (`place_on_ray`); docs/scaling.md.
-May import `compose` (the part builders the actors use) and the components; never
-`pipeline`.
+
+May import: types, registry, system, algos, models, replay, engine, rewards, control, envs,
+tasks, learner, rollout, compose.
 """
 
 from rollwise.distributed.cluster import connect, import_ray

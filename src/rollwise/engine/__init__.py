@@ -13,6 +13,8 @@ move they imply: admit, make room, park, restore, evict prefixes) and a `DraftVe
 `ENGINES` names their constructors, `fn(model, *, eos_token_ids, pad_token_id, batch_size,
 **options) -> Engine`; `engine.name` may also name a user's own by import path
 ("package.module:factory", docs/extending.md).
+
+May import: types, registry, system.
 """
 
 from __future__ import annotations

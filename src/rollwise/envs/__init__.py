@@ -1,5 +1,8 @@
 """Environments for multi-turn rollouts (docs/agents.md): the protocol, tool calls, the
-environments that ship, and a gymnasium-style adapter."""
+environments that ship, and a gymnasium-style adapter.
+
+May import: types, rewards.
+"""
 
 from rollwise.envs.base import Env, StepResult
 from rollwise.envs.calc import CalcEnv, CalcError, LookupEnv, ToolEnv, safe_eval

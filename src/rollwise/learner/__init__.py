@@ -1,4 +1,7 @@
-"""The learner: response-token log-probs in chunks, micro-batches, AdamW, LoRA, checkpoints."""
+"""The learner: response-token log-probs in chunks, micro-batches, AdamW, LoRA, checkpoints.
+
+May import: types, system, algos, models.
+"""
 
 from rollwise.learner.batch import collate, micro_batches
 from rollwise.learner.learner import Learner

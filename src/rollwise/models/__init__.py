@@ -1,4 +1,7 @@
-"""Load a policy: the built-in `tiny` model, SmolLM2-135M-Instruct, or a local HF directory."""
+"""Load a policy: the built-in `tiny` model, SmolLM2-135M-Instruct, or a local HF directory.
+
+May import: types, system.
+"""
 
 from __future__ import annotations
 

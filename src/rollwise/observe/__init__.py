@@ -1,7 +1,8 @@
 """Observe: metrics as JSON lines, terminal progress, and self-contained HTML reports.
 
-Light on purpose: no torch import, so the CLI and reports load fast. May import `types`,
-`system` and `replay`; never `compose`, `run` or `pipeline` (they import it).
+Light on purpose: no torch import, so the CLI and reports load fast.
+
+May import: types, system, replay.
 """
 
 from rollwise.observe.bench_report import write_bench_report

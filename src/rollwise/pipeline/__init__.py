@@ -3,5 +3,6 @@
 drivers (`loop`, `asyncloop`), the evaluator, `launch` (the one path from a config to a
 run being trained) and the crash test.
 
-May import everything below it; only front ends (`api`, `cli`, `serve`, `bench`) import it.
+May import: types, registry, system, algos, models, replay, engine, rewards, control, envs,
+tasks, learner, rollout, observe, compose, run, distributed.
 """

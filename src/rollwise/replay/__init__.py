@@ -1,4 +1,8 @@
-"""Replay: the run's trajectory history (SQLite), read back by control, rollout and reports."""
+"""Replay: the run's trajectory history (SQLite), written and read back by the run directory
+(`run`), the reports (`observe`) and the drivers (`pipeline`).
+
+May import: types.
+"""
 
 from rollwise.replay.store import TrajectoryStore
 

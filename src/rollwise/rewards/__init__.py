@@ -1,6 +1,6 @@
 """Rewards: verifiers `(completion, sample) -> float` and the pool that runs them with limits.
 
-Knows `types` only; never imports torch models, the engine or the learner.
+May import: types, registry, system.
 """
 
 from rollwise.rewards.countdown import countdown_verifier

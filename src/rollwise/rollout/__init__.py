@@ -5,6 +5,8 @@ scoring overlap. `RolloutScheduler` (scheduler.py) runs the seed papers' strateg
 native engine: sync, continuous, partial (APRIL), context (Seer), with grouped speculative
 decoding (Seer) and speculative reuse (SPEC-RL); docs/rollout.md. `generate_groups` is the
 plain path for engines without the request-level API (HF `generate`).
+
+May import: types, system, replay, engine, rewards, envs.
 """
 
 from __future__ import annotations

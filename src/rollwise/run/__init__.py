@@ -3,5 +3,6 @@
 the health check that stops runs that learn nothing (`health`), and export of a
 run's policy (`export`).
 
-May import `compose`, the components and `system`; never `distributed` or `pipeline`.
+May import: types, registry, system, algos, models, replay, engine, rewards, control, envs,
+tasks, learner, rollout, observe, compose.
 """

@@ -1,5 +1,8 @@
 """`rollwise serve`: an OpenAI-compatible HTTP server over the native engine, and the
-rollout service (/v1/rollouts, recorded episodes) that training uses. See docs/serve.md."""
+rollout service (/v1/rollouts, recorded episodes) that training uses. See docs/serve.md.
+
+May import: types, system, models, engine, envs, run.
+"""
 
 from __future__ import annotations
 

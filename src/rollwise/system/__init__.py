@@ -2,5 +2,5 @@
 peaks and device memory (`runtime`), atomic file writes (`atomic`), directory locks and
 the descriptors a forked worker must not keep (`runlock`).
 
-Imports nothing from rollwise.
+May import: nothing from rollwise.
 """

@@ -1,8 +1,10 @@
-"""Tasks: prompt sources with their verifiers. Knows `types` and `rewards`; never models.
+"""Tasks: prompt sources with their verifiers.
 
 >>> task = make_task("arith", seed=0, num_train=4, num_eval=2)
 >>> task.name, len(task.train), len(task.eval), task.train[0].prompt.endswith("=")
 ('arith', 4, 2, True)
+
+May import: types, registry, rewards, envs.
 """
 
 from __future__ import annotations
