@@ -23,12 +23,12 @@ from pathlib import Path
 TASK = ["task.name=arith_chain", "task.options={}", "rollout.max_tokens=48"]
 SIDES = {
     "plain": [],
-    "latr": ["schedule.tree=latr"],
-    "latr-loose": ["schedule.tree=latr", "schedule.latr_threshold=0.1",
-                   "schedule.latr_margin=0.8", "schedule.latr_lookahead=[4, 8]",
-                   "schedule.latr_similarity=0.7"],
-    "entropy": ["schedule.tree=entropy", "schedule.entropy_fork_after=8"],
-    "entropy+tree_grpo": ["schedule.tree=entropy", "schedule.entropy_fork_after=8",
+    "latr": ["tree.mode=latr"],
+    "latr-loose": ["tree.mode=latr", "tree.latr_threshold=0.1",
+                   "tree.latr_margin=0.8", "tree.latr_lookahead=[4, 8]",
+                   "tree.latr_similarity=0.7"],
+    "entropy": ["tree.mode=entropy", "tree.entropy_fork_after=8"],
+    "entropy+tree_grpo": ["tree.mode=entropy", "tree.entropy_fork_after=8",
                           "algorithm.advantage=tree_grpo"],
 }
 SUMMED = ("rollout_generated_tokens", "rollout_forward_passes", "tree_forks", "tree_prunes")

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from rollwise.compose.config import ConfigError, load_config, to_toml
+from rollwise.compose.preflight import check_config
 from rollwise.pipeline.asyncloop import AsyncSteps, bound_staleness, staleness_histogram
-from rollwise.pipeline.build import build, check_run_config, run_steps
+from rollwise.pipeline.build import build, run_steps
 from rollwise.pipeline.loop import Collected, train
 from rollwise.pipeline.stages import Stages
 from rollwise.rewards import RewardStats
@@ -58,7 +59,7 @@ def test_async_staleness_zero_is_the_synchronous_driver(tmp_path):
     cfg = small(tmp_path)
     sync = _run(cfg, "sync", run_steps(cfg))
     cfg_async = small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=0")
-    check_run_config(cfg_async)
+    check_config(cfg_async)
     out = _run(cfg_async, "async", run_steps(cfg_async))
     assert_same_metrics(sync, out)
     trains = [r for r in out if r["kind"] == "train"]
@@ -134,10 +135,10 @@ def test_staleness_bound_drops_or_regenerates_and_counts(policy):
 
 def test_bad_run_combinations_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="needs engine.name='native'"):
-        check_run_config(small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1",
-                               "engine.name='hf'"))
+        check_config(small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1",
+                           "engine.name='hf'"))
     with pytest.raises(ConfigError, match="num_workers"):
-        check_run_config(small(tmp_path, "ray.num_workers=2"))
+        check_config(small(tmp_path, "ray.num_workers=2"))
     with pytest.raises(ConfigError, match="schedule.mode"):
         small(tmp_path, "schedule.mode='later'")
     with pytest.raises(ValueError, match="stale_policy"):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from rollwise.compose.config import ConfigError, to_toml
+from rollwise.compose.preflight import check_config
 from rollwise.engine import NativeEngine, SamplingParams
-from rollwise.pipeline.build import build, check_run_config, run_steps
+from rollwise.pipeline.build import build, run_steps
 from rollwise.pipeline.loop import train
 from rollwise.run.rundir import Run
 
@@ -81,7 +82,7 @@ def _train(cfg, name: str):
 def test_in_process_async_overlaps_within_the_staleness_bound(tmp_path):
     cfg = small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1",
                 "run.num_steps=4")
-    check_run_config(cfg)  # allowed now: the native engine keeps its own copy
+    check_config(cfg)  # allowed now: the native engine keeps its own copy
     stages, start, out = _train(cfg, "a1")
     assert not stages.rollout_stage.engine.decoder.shared
     evaluator = stages.evaluator.engine
@@ -103,8 +104,8 @@ def test_in_process_async_overlaps_within_the_staleness_bound(tmp_path):
 
 def test_in_process_async_needs_the_native_engine(tmp_path):
     with pytest.raises(ConfigError, match="needs engine.name='native'"):
-        check_run_config(small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1",
-                               "engine.name='hf'"))
+        check_config(small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1",
+                           "engine.name='hf'"))
 
 
 def _train_seeing_caches(cfg, name: str, *, release: bool = True):

@@ -35,12 +35,14 @@ dtype = "float32"
 strategy = "partial+context"
 over_provision = 1.5
 chunk_tokens = 8
-spec_group = true
-spec_tokens = 3
-reuse_rule = "coupled"
 mode = "async"
 max_staleness = 2
 stale_policy = "regenerate"
+
+[speculation]
+group = true
+tokens = 3
+reuse_rule = "coupled"
 
 [episodes]
 max_turns = 3
@@ -85,12 +87,25 @@ def _other(move: Move):
             return next(c for c in choices if c != old)
     if isinstance(old, bool):
         return not old
-    if isinstance(old, (int, float)):
+    if isinstance(old, (int, float)) and move.new.startswith("control."):
         return old + 1
+    if isinstance(old, (int, float)):  # the first the section takes (bounds: share <= 1)
+        section, key = move.new.split(".")[:2]
+        cls = type(getattr(Config(), section))
+        for value in (old + 1, old / 2):
+            try:
+                cls(**{key: value})
+                return value
+            except ValueError:
+                pass
+    if isinstance(old, tuple):
+        return tuple(n + 1 for n in old)
     return {"et": "hw", "native": "hf", None: "10.0.0.5:6379"}[old]
 
 
 def _toml(value) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(map(_toml, value)) + "]"
     return repr(value).lower() if isinstance(value, bool) else repr(value)
 
 

@@ -132,7 +132,7 @@ def test_a_setting_that_cannot_apply_is_skipped_and_said(monkeypatch):
     assert low.learner.master_dtype == "float32" and "learner.master_dtype" in choice.skipped
     assert low.learner.optimizer == "adamw-bf16" and low.learner.activation_checkpointing
     assert "not applied: learner.master_dtype (the learner computes in float32" in choice.line()
-    # LoRA: the adapters' moments are small, the frozen weights' dtype is model.dtype
+    # LoRA: the adapters' moments are small, the frozen weights' dtype is learner.master_dtype
     low, choice = choose_memory(quickstart("model.lora_rank=8"))
     assert set(choice.skipped) == {"learner.master_dtype", "learner.optimizer"}
     assert low.learner.activation_checkpointing and low.learner.release_memory

@@ -73,7 +73,7 @@ def test_workers_rollout_state_is_checkpointed_and_resume_equals_the_uninterrupt
     step 3 and resumed trains steps 3 and 4 exactly as the uninterrupted run, drafts
     included."""
     extra = ("run.backend='ray'", "ray.num_workers=2", "ray.worker_cpus=0.5",
-             "schedule.spec_reuse=true", "task.num_train=8", "run.num_steps=4",
+             "speculation.reuse=true", "task.num_train=8", "run.num_steps=4",
              "run.checkpoint_every=2", "eval.every=0")
     run_config(small(tmp_path, *extra), "whole")
     cfg = small(tmp_path, *extra)

@@ -68,7 +68,7 @@ def test_interrupted_partial_run_resumes_its_pool_exactly(tmp_path):
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["engine.name='hf'", "schedule.strategy='partial'"], "needs the native engine"),
-    (["engine.name='hf'", "schedule.spec_group=true"], "schedule.spec_group needs"),
+    (["engine.name='hf'", "speculation.group=true"], "speculation.group needs"),
 ])
 def test_configs_that_cannot_work_are_refused(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -151,15 +151,15 @@ def test_batched_acceptance_equals_one_call_per_row() -> None:
 
 
 def test_spec_max_tokens_reaches_the_verifier(model) -> None:
-    """[schedule] spec_max_tokens (default 0: no window wider than spec_tokens) reaches the
-    native engine's verifier through build_engine."""
+    """speculation.max_tokens (default 0: no window wider than speculation.tokens) reaches
+    the native engine's verifier through build_engine."""
     from types import SimpleNamespace
 
     from rollwise.compose.parts import build_engine
-    from rollwise.compose.sections import ScheduleConfig
+    from rollwise.compose.sections import SpeculationConfig
 
-    assert ScheduleConfig().spec_max_tokens == 0
-    assert ScheduleConfig(spec_max_tokens=16).spec_max_tokens == 16
+    assert SpeculationConfig().max_tokens == 0
+    assert SpeculationConfig(max_tokens=16).max_tokens == 16
     policy = SimpleNamespace(model=model, stop_ids=[2], tokenizer=SimpleNamespace(pad_token_id=0))
     for asked, window in ((0, 4), (2, 4), (16, 16)):
         engine = build_engine("native", policy, 8, 0, spec_tokens=4, spec_max_tokens=asked)

@@ -462,11 +462,11 @@ def test_trees_leave_no_kept_cache_behind(model) -> None:
 
 
 @pytest.mark.parametrize("sets,message", [
-    (["schedule.tree=latr", "schedule.strategy=partial"], "'partial' keeps unfinished"),
-    (["schedule.tree=entropy", "schedule.strategy=sync"], "admits requests only into an empty"),
-    (["schedule.tree=latr", "schedule.spec_reuse=true"], "turn one off"),
-    (["schedule.tree=entropy", "schedule.entropy_branches=3"], "not a multiple"),
-    (["schedule.tree=latr", "rollout.group_size=1", "algorithm.advantage=reinforce_pp"],
+    (["tree.mode=latr", "schedule.strategy=partial"], "'partial' keeps unfinished"),
+    (["tree.mode=entropy", "schedule.strategy=sync"], "admits requests only into an empty"),
+    (["tree.mode=latr", "speculation.reuse=true"], "turn one off"),
+    (["tree.mode=entropy", "tree.entropy_branches=3"], "not a multiple"),
+    (["tree.mode=latr", "rollout.group_size=1", "algorithm.advantage=reinforce_pp"],
      "no room for a branch"),
 ])
 def test_preflight_refuses_what_a_tree_cannot_grow_under(sets, message) -> None:
@@ -475,7 +475,7 @@ def test_preflight_refuses_what_a_tree_cannot_grow_under(sets, message) -> None:
 
     with pytest.raises(ConfigError, match=message):
         check_config(load_config("configs/tiny_arith.toml", sets))
-    check_config(load_config("configs/tiny_arith.toml", ["schedule.tree=entropy"]))
+    check_config(load_config("configs/tiny_arith.toml", ["tree.mode=entropy"]))
 
 
 def test_tree_keys_are_validated_and_reach_the_scheduler() -> None:
@@ -483,12 +483,12 @@ def test_tree_keys_are_validated_and_reach_the_scheduler() -> None:
     from rollwise.rollout.trees import tree_settings
 
     with pytest.raises(ConfigError, match="latr_lookahead"):
-        load_config("configs/tiny_arith.toml", ["schedule.latr_lookahead=[0]"])
+        load_config("configs/tiny_arith.toml", ["tree.latr_lookahead=[0]"])
     with pytest.raises(ConfigError, match="latr_threshold"):
-        load_config("configs/tiny_arith.toml", ["schedule.latr_threshold=1.5"])
+        load_config("configs/tiny_arith.toml", ["tree.latr_threshold=1.5"])
     cfg = load_config("configs/tiny_arith.toml", [
-        "schedule.tree=latr", "schedule.latr_lookahead=[30,4,4]", "schedule.tree_share=0.5"])
-    s = tree_settings(cfg.schedule)
+        "tree.mode=latr", "tree.latr_lookahead=[30,4,4]", "tree.share=0.5"])
+    s = tree_settings(cfg.tree)
     assert (s.mode, s.latr_lookahead, s.share) == ("latr", (4, 30), 0.5)
 
 

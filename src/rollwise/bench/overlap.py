@@ -76,7 +76,7 @@ def rollout_dtype(cfg) -> str:
 
     local = cfg.model_copy(deep=True)
     local.engine.name = "native"
-    policy = load_policy(cfg.model.name, device=cfg.run.device, dtype=cfg.model.dtype,
+    policy = load_policy(cfg.model.name, device=cfg.run.device, dtype=cfg.learner.master_dtype,
                          tiny=cfg.model.tiny.model_dump() | {"seed": cfg.run.seed})
     return build_precision(local, policy).rollout
 

@@ -1,4 +1,4 @@
-"""B-tree: plain sampling vs tree rollouts inside a response (`schedule.tree`: LATR and
+"""B-tree: plain sampling vs tree rollouts inside a response (`tree.mode`: LATR and
 entropy branching, rollout/trees.py) on a config's single-turn task.
 
 Each round takes the next `prompts` training prompts and rolls them out once per side on a
@@ -31,7 +31,7 @@ COUNTS = ("groups", "responses", "distinct", "distinct_correct", "correct", "sol
 def run(config: Path | None, *, rounds: int = 3, prompts: int = 16, fork_after: int = 8,
         overrides: list[str] | None = None, progress=print) -> dict[str, Any]:
     """Every side on the same prompts, `rounds` times; the figures per side and ratios.
-    `fork_after`: the entropy-running side's schedule.entropy_fork_after."""
+    `fork_after`: the entropy-running side's tree.entropy_fork_after."""
     from rollwise.compose.config import load_config
     from rollwise.compose.parts import build_policy, build_precision, build_sampling, build_task
     from rollwise.pipeline.stages import encode_prompts
@@ -50,8 +50,8 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 16, fork_after: 
         batch = encoded[k * prompts: (k + 1) * prompts]
         order = SIDES[k % len(SIDES):] + SIDES[: k % len(SIDES)]
         for side in order:
-            cfg.schedule.tree = {"plain": "none", "entropy-running": "entropy"}.get(side, side)
-            cfg.schedule.entropy_fork_after = fork_after if side == "entropy-running" else 0
+            cfg.tree.mode = {"plain": "none", "entropy-running": "entropy"}.get(side, side)
+            cfg.tree.entropy_fork_after = fork_after if side == "entropy-running" else 0
             figures = _one_side(cfg, policy, precision.rollout, sampling, task, batch)
             per_side[side].append(figures)
             progress(f"round {k + 1}/{rounds} {side}: {figures['seconds']:.2f} s, "
@@ -86,7 +86,7 @@ def _one_side(cfg, policy, dtype: str, sampling, task, batch) -> dict[str, float
     engine = build_engine("native", policy, cfg.engine.batch_size, cfg.engine.kv_budget_tokens,
                           dtype)
     sched = RolloutScheduler(engine, sampling, policy.decode, seed=cfg.run.seed,
-                             tree=tree_settings(cfg.schedule))
+                             tree=tree_settings(cfg.tree))
     start = time.perf_counter()
     groups = sched.run(batch).groups
     wall = time.perf_counter() - start
@@ -131,9 +131,9 @@ def command(json: Annotated[Path | None, typer.Option(
             rounds: Annotated[int, typer.Option(help="Rounds (each side once per round).")] = 3,
             prompts: Annotated[int, typer.Option(help="Prompts per round.")] = 16,
             fork_after: Annotated[int, typer.Option(
-                help="The entropy-running side's schedule.entropy_fork_after.")] = 8,
+                help="The entropy-running side's tree.entropy_fork_after.")] = 8,
             set_: Annotated[list[str] | None, typer.Option(
-                "--set", help="Config override, e.g. schedule.latr_threshold=0.2.")] = None,
+                "--set", help="Config override, e.g. tree.latr_threshold=0.2.")] = None,
             threads: Annotated[int, typer.Option(
                 help="Torch CPU threads (0: cores free at start).")] = 1) -> None:
     """Plain sampling vs LATR vs entropy branching: distinct (correct) responses per group,

@@ -39,7 +39,9 @@ from rollwise.compose.sections import (
     ScheduleConfig,
     Section,
     SftConfig,
+    SpeculationConfig,
     TaskConfig,
+    TreeConfig,
 )
 
 
@@ -50,6 +52,8 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    tree: TreeConfig = Field(default_factory=TreeConfig)
     episodes: EpisodesConfig = Field(default_factory=EpisodesConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)

@@ -14,7 +14,7 @@ time (checkpointing recomputes the forward pass: about 1.5x the update; docs/per
 Memory). `low` takes them whatever is free, `default` never. A key set in the config file,
 by `--set` or on a `Config` in Python wins. Two are skipped where they would not be the
 measured settings: with LoRA the bfloat16 master and moments (the trained adapters are
-small; the frozen base's dtype is `model.dtype`), and the bfloat16 master where the learner
+small; the frozen base's dtype is `learner.master_dtype`), and the bfloat16 master where the learner
 computes in float32 (`learner.precision`, or `auto` without native bfloat16): there the
 residual stream would be bfloat16 too, which ended 7 points lower on the quickstart.
 `run.allocator = "jemalloc"` (2.3 GB) is not switched: the allocator is chosen when the
@@ -228,19 +228,18 @@ def expected_peak_mb(cfg: Config, shape: dict[str, Any], *, autocast: bool) -> f
 
         RUNTIME_MB + P x (w + e + c + r + s) + T x m + max(T x g, A)
 
-    P parameters, T trained (P, or the LoRA adapters'); per parameter w the weight (4
-    float32, 2 bfloat16 master or model.dtype), e the engine's copy (its precision's bytes
-    unless it reads the weights in place: the same precision), c autocast's bfloat16 copies
-    of float32 weights (2), r the KL reference (2 under autocast, else 4; full fine-tuning
-    with kl_coef > 0), s compensated rounding's residual (1); per trained parameter m the
-    optimizer's moments (learner/optim.py's MOMENT_BYTES: 8 for AdamW) and g the gradient
-    (the weight's bytes). A: the activations of one micro-batch, min(micro_batch_tokens,
-    rows x max_tokens) tokens (every row trained, every response at its budget; prompts
-    not counted) at learner/memory.py's bytes a token (1.30 MiB for the 135M shape under
-    autocast, 0.11 with checkpointing), plus one log-prob chunk over the vocabulary, or
-    learner.memory_budget_mb where set. The backward pass frees a layer's activations as
-    its gradients appear (the first update: 3.3 GB before it, 3.5 GB after), so the two
-    count as the larger of them.
+    P parameters, T trained (P, or the LoRA adapters'); per parameter w the weight (4 float32, 2
+    bfloat16: learner.master_dtype, with LoRA the frozen base's), e the engine's copy (its
+    precision's bytes unless it reads the weights in place: the same precision), c autocast's
+    bfloat16 copies of float32 weights (2), r the KL reference (2 under autocast, else 4; full
+    fine-tuning with kl_coef > 0), s compensated rounding's residual (1); per trained parameter
+    m the optimizer's moments (learner/optim.py's MOMENT_BYTES: 8 for AdamW) and g the gradient
+    (the weight's bytes). A: the activations of one micro-batch, min(micro_batch_tokens, rows x
+    max_tokens) tokens (every row trained, every response at its budget; prompts not counted) at
+    learner/memory.py's bytes a token (1.30 MiB for the 135M shape under autocast, 0.11 with
+    checkpointing), plus one log-prob chunk over the vocabulary, or learner.memory_budget_mb
+    where set. The backward pass frees a layer's activations as its gradients appear (the first
+    update: 3.3 GB before it, 3.5 GB after), so the two count as the larger of them.
 
     Calibration (SmolLM2-135M, 134.5M parameters, the quickstart: 32 rows of 64 tokens,
     chunk 1024): the defaults under autocast 512 + 8 B x P (1026) + 8 B x P (1026) +
@@ -260,7 +259,7 @@ def expected_peak_mb(cfg: Config, shape: dict[str, Any], *, autocast: bool) -> f
     p = parameters(shape)
     trained = lora_parameters(shape, m.lora_rank, list(m.lora_targets)) if lora else p
     bf16_master = lc.master_dtype == "bfloat16"
-    weight = 2 if bf16_master or m.dtype == "bfloat16" else 4
+    weight = 2 if bf16_master else 4
     engine = _ENGINE_BYTES[cfg.engine.dtype]
     per_param = weight + (0 if engine == weight else engine)
     per_param += 2 if autocast and weight == 4 else 0
@@ -294,7 +293,8 @@ def explicit_keys(cfg: Config) -> set[str]:
 def _skip_reason(key: str, cfg: Config, autocast: bool) -> str | None:
     """Why a low-memory setting is not applied to `cfg`, or None."""
     if cfg.model.lora_rank > 0 and key in ("learner.master_dtype", "learner.optimizer"):
-        return "LoRA: measured for full fine-tuning; the frozen weights' dtype is model.dtype"
+        return ("LoRA: measured for full fine-tuning; learner.master_dtype is then the frozen "
+                "weights' dtype")
     if key == "learner.master_dtype" and not autocast:
         return ("the learner computes in float32 here: bfloat16 weights would make its "
                 "residual stream bfloat16, 7 points lower on the quickstart")

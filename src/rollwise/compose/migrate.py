@@ -25,7 +25,10 @@ class Move:
     which the old key had an effect; otherwise it is dropped (with a notice unless it holds
     `default`, its old default), since it did nothing. `new` None: the key was removed, its
     value must be `default` (the no-op that older runs saved) and `why` says what replaces
-    it. A `when` key that is absent holds its default, which no condition names."""
+    it. A `when` key that is absent holds its default, which no condition names. Without
+    `when`, a `default` names the no-op both spellings shared (a key that lived beside its
+    new spelling): the old key at it is dropped quietly, and otherwise it wins over the new
+    key at it."""
 
     old: str
     new: str | None
@@ -45,10 +48,25 @@ _DYNAMIC = ("DAPO's dynamic sampling is one mechanism now: control.allocator = '
 _ENGINE = [Move(f"rollout.{old}", f"engine.{new}") for old, new in (
     ("engine", "name"), ("kv_budget_tokens", "kv_budget_tokens"),
     ("decode_step", "decode_step"), ("batch_size", "batch_size"), ("dtype", "dtype"))]
+# [schedule] held four concerns once; the speculation and tree keys have sections of their own
+_SPECULATION = {"spec_group": "group", "spec_reuse": "reuse", "spec_tokens": "tokens",
+                "spec_max_tokens": "max_tokens", "reuse_rule": "reuse_rule",
+                "lenience": "lenience"}
+_TREE = {"tree": "mode", "tree_share": "share", "tree_decay_steps": "decay_steps",
+         "tree_forced_tokens": "forced_tokens", **{k: k for k in (
+             "latr_threshold", "latr_margin", "latr_lookahead", "latr_similarity",
+             "entropy_branches", "entropy_fork_after")}}
+_SPLIT = [Move(f"schedule.{old}", f"speculation.{new}") for old, new in _SPECULATION.items()] \
+    + [Move(f"schedule.{old}", f"tree.{new}") for old, new in _TREE.items()]
 _SCHEDULE = [Move(f"rollout.{k}", f"schedule.{k}") for k in (
-    "strategy", "over_provision", "chunk_tokens", "spec_group", "spec_reuse", "spec_tokens",
-    "reuse_rule", "lenience")] + [Move(f"run.{k}", f"schedule.{k}")
-                                  for k in ("mode", "stale_policy")]
+    "strategy", "over_provision", "chunk_tokens")] + [
+    Move(f"rollout.{k}", f"speculation.{_SPECULATION[k]}") for k in (
+        "spec_group", "spec_reuse", "spec_tokens", "reuse_rule", "lenience")] + [
+    Move(f"run.{k}", f"schedule.{k}") for k in ("mode", "stale_policy")]
+# model.dtype and learner.master_dtype both set the trained weights' dtype; the learner's
+# key is the one left. A full config.toml of an older run holds both: model.dtype at
+# "float32" did nothing, and "bfloat16" loaded the model (so the weights) in bfloat16.
+_MASTER = [Move("model.dtype", "learner.master_dtype", default="float32")]
 _EPISODES = [Move(f"rollout.{old}", f"episodes.{new}") for old, new in (
     ("max_turns", "max_turns"), ("max_episode_tokens", "max_tokens"),
     ("env_timeout_s", "env_timeout_s"), ("tree_branches", "tree_branches"),
@@ -83,8 +101,8 @@ _REMOVED = [Move("algorithm.filter_zero_variance", None, default=False, why=_DYN
             Move("algorithm.max_refill_rounds", None, default=0, why=_DYNAMIC)]
 
 # Plain moves first: the conditions of the others read the new places.
-MOVES: list[Move] = _ENGINE + _SCHEDULE + _EPISODES + _RAY + _STALENESS + _CONTROL \
-    + _REMOVED
+MOVES: list[Move] = _ENGINE + _SCHEDULE + _SPLIT + _EPISODES + _RAY + _MASTER + _STALENESS \
+    + _CONTROL + _REMOVED
 
 
 class MoveError(ValueError):
@@ -126,9 +144,16 @@ def _move(raw: dict, source: dict[str, str], move: Move, moved: dict[str, str]) 
     if move.new in moved:
         return (f"{move.old} = {value!r} ({where}) dropped: {move.new} is read from "
                 f"{moved[move.new]}")
-    if _get(raw, move.new)[0]:
-        raise MoveError(f"{move.old} ({where}) is the old spelling of {move.new}, which is "
-                        f"set too ({source.get(move.new, 'config')}); keep only {move.new}")
+    is_set, current = _get(raw, move.new)
+    if is_set:
+        override = where.startswith("--set") and not source.get(move.new, "").startswith("--set")
+        shared = move.when is None and move.default is not None
+        if shared and value == move.default:
+            return None  # the old key did nothing; the new one decides
+        if not override and not (shared and current == move.default):
+            raise MoveError(f"{move.old} ({where}) is the old spelling of {move.new}, which "
+                            f"is set too ({source.get(move.new, 'config')}); keep only "
+                            f"{move.new}")
     table, key = _table(raw, move.new, create=True)
     if table is None:
         raise MoveError(f"{move.new.rsplit('.', 1)[0]} is a value, not a section; it should "

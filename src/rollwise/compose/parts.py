@@ -39,10 +39,11 @@ def build_policy(cfg: Config, task: Task) -> Policy:
     warm = ([(s.prompt, s.reference) for s in task.train if s.reference]
             if m.name == "tiny" else None)
     # a bfloat16 learner trains the model as loaded: no float32 copy is ever made, unless
-    # compensated rounding takes its residuals from the float32 weights (learner/stochastic.py)
+    # compensated rounding takes its residuals from the float32 weights (learner/stochastic.py);
+    # with LoRA, learner.master_dtype is the frozen base's dtype
     lc = cfg.learner
     bf16 = lc.master_dtype == "bfloat16" and lc.master_rounding != "compensated"
-    dtype = "bfloat16" if bf16 else m.dtype
+    dtype = "bfloat16" if bf16 else "float32"
     policy = load_policy(m.name, device=cfg.run.device, dtype=dtype, warm_start=warm,
                          tiny=m.tiny.model_dump() | {"seed": cfg.run.seed})
     if m.lora_rank > 0:
@@ -101,9 +102,9 @@ def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
     the engine keeps its own copy of the weights (it generates while the trainer trains)."""
     e = cfg.engine
     engine = build_engine(e.name, policy, e.batch_size, e.kv_budget_tokens,
-                           precision.rollout, spec_tokens=cfg.schedule.spec_tokens,
+                           precision.rollout, spec_tokens=cfg.speculation.tokens,
                            decode_step=e.decode_step,
-                           spec_max_tokens=cfg.schedule.spec_max_tokens,
+                           spec_max_tokens=cfg.speculation.max_tokens,
                            own_weights=own_weights)
     sampling = build_sampling(cfg)
     if task is not None and task.env is not None:
@@ -135,8 +136,14 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
         skip_zero_advantage=lc.skip_zero_advantage, share_prompts=lc.share_prompts,
         activation_checkpointing=lc.activation_checkpointing,
         memory_budget_mb=lc.memory_budget_mb, optimizer=lc.optimizer,
-        master_dtype=lc.master_dtype, master_rounding=lc.master_rounding, seed=cfg.run.seed,
+        master_dtype=trained_dtype(cfg), master_rounding=lc.master_rounding, seed=cfg.run.seed,
         release_memory=lc.release_memory)
+
+
+def trained_dtype(cfg: Config) -> str:
+    """The dtype the learner trains in: learner.master_dtype; with LoRA the adapters stay
+    float32 as peft makes them (learner.master_dtype is then the frozen base's dtype)."""
+    return "float32" if cfg.model.lora_rank > 0 else cfg.learner.master_dtype
 
 
 def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer: Callable,
@@ -199,10 +206,7 @@ def build_judge(cfg: Config):
     """The LLM judge of [judge], checked with one request now (before the model loads)."""
     from rollwise.rewards.judge import make_judge
 
-    options = cfg.judge.model_dump()
-    if options["prompt"] is None:
-        del options["prompt"]
-    return make_judge(options)
+    return make_judge(cfg.judge.model_dump())
 
 
 def build_precision(cfg: Config, policy: Policy) -> PrecisionChoice:
@@ -253,14 +257,14 @@ def build_control(cfg: Config, sampler: UniformSampler) -> Controller:
 
 
 def request_engine_settings(cfg: Config) -> list[str]:
-    """The schedule settings of `cfg` that need the native engine's request-level API (and
+    """The rollout settings of `cfg` that need the native engine's request-level API (and
     a single-turn task), as they read in the config: a strategy that needs it
-    (rollout/strategy.py), speculative drafts."""
-    s = cfg.schedule
+    (rollout/strategy.py), speculative drafts, trees."""
+    s, sp, t = cfg.schedule, cfg.speculation, cfg.tree
     return [k for k, on in {
         f"schedule.strategy='{s.strategy}'": strategy(s.strategy).needs_request_engine,
-        "schedule.spec_group": s.spec_group, "schedule.spec_reuse": s.spec_reuse,
-        f"schedule.tree='{s.tree}'": s.tree != "none"}.items() if on]
+        "speculation.group": sp.group, "speculation.reuse": sp.reuse,
+        f"tree.mode='{t.mode}'": t.mode != "none"}.items() if on]
 
 
 def build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
@@ -269,7 +273,7 @@ def build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
     HF engine, which only supports the 'sync'/'continuous' schedules without speculation."""
     from rollwise.compose.config import ConfigError
 
-    s = cfg.schedule
+    s, sp = cfg.schedule, cfg.speculation
     if not isinstance(engine, RequestEngine):
         needs = request_engine_settings(cfg)
         if needs:
@@ -279,9 +283,9 @@ def build_scheduler(cfg: Config, engine: Engine, sampling: SamplingParams,
         return None
     return RolloutScheduler(
         engine, sampling, decode, strategy=s.strategy, over_provision=s.over_provision,
-        max_staleness=s.max_staleness, chunk_tokens=s.chunk_tokens, spec_group=s.spec_group,
-        spec_reuse=s.spec_reuse, reuse_rule=s.reuse_rule, lenience=s.lenience,
-        seed=cfg.run.seed, tree=tree_settings(s))
+        max_staleness=s.max_staleness, chunk_tokens=s.chunk_tokens, spec_group=sp.group,
+        spec_reuse=sp.reuse, reuse_rule=sp.reuse_rule, lenience=sp.lenience,
+        seed=cfg.run.seed, tree=tree_settings(cfg.tree))
 
 
 def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, policy: Policy,
@@ -308,13 +312,14 @@ def build_episode_runner(cfg: Config, engine: Engine, sampling: SamplingParams, 
 
 def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: int,
                   dtype: str = "float32", weights_from: Engine | None = None,
-                  spec_tokens: int = 4, decode_step: str = "auto",
-                  spec_max_tokens: int = 0, own_weights: bool = False) -> Engine:
+                  spec_tokens: int | None = None, decode_step: str | None = None,
+                  spec_max_tokens: int | None = None, own_weights: bool = False) -> Engine:
     """`dtype`: the native engine's precision; `weights_from`: a native engine whose
     converted weights this one shares (the evaluator reads the rollout engine's copy);
     `spec_tokens`: draft tokens one verification pass takes; `decode_step`: how its
     decode step runs (engine/step.py); `spec_max_tokens`: the widest verification window
-    a long draft grows to (0: spec_tokens); `own_weights`: the native engine's copy of the
+    a long draft grows to (0: spec_tokens); each None: the engine's own default (the
+    config's, read from it: compose/sections.py); `own_weights`: the native engine's copy of the
     weights even in the parameters' precision."""
     from rollwise.compose.config import ConfigError
     from rollwise.engine import NativeEngine, make_engine
@@ -324,8 +329,9 @@ def build_engine(name: str, policy: Policy, batch_size: int, kv_budget_tokens: i
                           "'native'); the HF engine samples from the float32 model")
     options = {"kv_budget_tokens": kv_budget_tokens} if name == "native" else {}
     if name == "native":
-        options |= {"dtype": dtype, "spec_tokens": spec_tokens, "step_mode": decode_step,
-                    "spec_max_tokens": spec_max_tokens, "own_weights": own_weights}
+        options |= {"dtype": dtype, "own_weights": own_weights} | {k: v for k, v in {
+            "spec_tokens": spec_tokens, "step_mode": decode_step,
+            "spec_max_tokens": spec_max_tokens}.items() if v is not None}  # None: its own
         if isinstance(weights_from, NativeEngine):
             options["weights_from"] = weights_from
     return make_engine(name, policy.model, eos_token_ids=policy.stop_ids,

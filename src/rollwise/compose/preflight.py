@@ -1,4 +1,5 @@
-"""Checks of a config that need more than its schema, run before any model is loaded.
+"""Checks of a config that need more than its schema, run before any model is loaded: the
+one place a config is checked (`check_config`), for every front end and placement.
 
 Why here and not in the pydantic models: these look names up in registries (algorithms,
 verifiers, tasks, models) and ask torch whether a device exists. Running them first means
@@ -29,6 +30,7 @@ def check_config(cfg: Config, functions: Mapping[str, Callable] | None = None) -
     _check_allocator(cfg)
     _check_task_and_model(cfg)
     _check_combinations(cfg)
+    _check_placement(cfg)
     check_device(cfg.run.device)
     _check_sft(cfg)
     if cfg.engine.decode_step == "graph" and not cfg.run.device.startswith("cuda"):
@@ -168,6 +170,11 @@ def _check_master(cfg: Config) -> None:
     lc = cfg.learner
     if lc.master_rounding != "compensated":
         return
+    if cfg.model.lora_rank > 0:
+        raise ConfigError("learner.master_rounding = 'compensated' rounds trained bfloat16 "
+                          f"weights; with LoRA (model.lora_rank = {cfg.model.lora_rank}) the "
+                          "adapters train in float32 and learner.master_dtype is the frozen "
+                          "base's dtype")
     if lc.master_dtype != "bfloat16":
         raise ConfigError("learner.master_rounding = 'compensated' keeps the bits that "
                           "bfloat16 master weights drop: it needs learner.master_dtype = "
@@ -179,12 +186,12 @@ def _check_master(cfg: Config) -> None:
 
 
 def _check_tree(cfg: Config) -> None:
-    """schedule.tree: the strategy and flags a tree can grow under, and a group that
+    """tree.mode: the strategy and speculation a tree can grow under, and a group that
     divides into its branches."""
-    s, n = cfg.schedule, cfg.rollout.group_size
-    if s.tree == "none":
+    t, s, n = cfg.tree, cfg.schedule, cfg.rollout.group_size
+    if t.mode == "none":
         return
-    key = f"schedule.tree = '{s.tree}'"
+    key = f"tree.mode = '{t.mode}'"
     if s.strategy != "continuous":
         why = {"sync": "admits requests only into an empty batch, so every fork would wait "
                "for the whole batch", "partial": "keeps unfinished responses across steps, "
@@ -193,16 +200,39 @@ def _check_tree(cfg: Config) -> None:
                "tree's forks do not have"}[s.strategy.split("+")[0]]
         raise ConfigError(f"{key} grows groups under schedule.strategy = 'continuous'; "
                           f"'{s.strategy}' {why}")
-    for flag in ("spec_reuse", "spec_group"):
-        if getattr(s, flag):
-            raise ConfigError(f"{key} and schedule.{flag} both decide where a response's "
+    for flag in ("reuse", "group"):
+        if getattr(cfg.speculation, flag):
+            raise ConfigError(f"{key} and speculation.{flag} both decide where a response's "
                               "tokens come from; turn one off")
-    if s.tree == "entropy" and n % s.entropy_branches:
+    if t.mode == "entropy" and n % t.entropy_branches:
         raise ConfigError(f"{key}: rollout.group_size = {n} is not a multiple of "
-                          f"schedule.entropy_branches = {s.entropy_branches} (each root and "
+                          f"tree.entropy_branches = {t.entropy_branches} (each root and "
                           "its forks make one share of the group)")
-    if s.tree == "latr" and n < 2:
+    if t.mode == "latr" and n < 2:
         raise ConfigError(f"{key}: rollout.group_size = 1 leaves no room for a branch")
+
+
+def _check_placement(cfg: Config) -> None:
+    """Placement and driver combinations that cannot work."""
+    s = cfg.schedule
+    if overlaps_in_process(cfg) and cfg.engine.name != "native":
+        raise ConfigError(
+            f"schedule.mode='async' with schedule.max_staleness={s.max_staleness} in one "
+            f"process needs engine.name='native' (now '{cfg.engine.name}'), which keeps its "
+            "own copy of the weights: the HF engine reads the learner's weights, which an "
+            "update changes in place while the next rollouts run (or use run.backend='ray' "
+            "or engine.name='remote'; max_staleness=0 is synchronous training)")
+    if cfg.run.backend == "local" and cfg.ray.num_workers > 1:
+        raise ConfigError(f"ray.num_workers={cfg.ray.num_workers} needs "
+                          "run.backend='ray' (the local backend has one engine)")
+
+
+def overlaps_in_process(cfg: Config) -> bool:
+    """Rollouts of later steps run in this process while a step trains: asynchronous
+    training with staleness >= 1 and the engine here (not on Ray, not a server)."""
+    s = cfg.schedule
+    return (s.mode == "async" and s.max_staleness > 0 and cfg.run.backend == "local"
+            and cfg.engine.name != "remote")
 
 
 def _check_sft(cfg: Config) -> None:
@@ -246,7 +276,7 @@ def _check_remote(cfg: Config) -> None:
     if needs:
         raise ConfigError(f"{', '.join(needs)} needs the request engine in this process; "
                           "engine.name = 'remote' runs schedule.strategy = 'continuous' or "
-                          "'sync', without speculative drafts")
+                          "'sync', without speculative drafts or trees")
 
 
 def check_device(device: str, setting: str = "run.device") -> None:

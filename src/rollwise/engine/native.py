@@ -40,7 +40,7 @@ from rollwise.types import Completion
 
 
 class NativeEngine:
-    def __init__(self, model, *, kv_budget_tokens: int = 65536, max_num_seqs: int = 128,
+    def __init__(self, model, *, kv_budget_tokens: int = 65536, max_num_seqs: int = 64,
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                  eos_token_ids: list[int] | None = None, share_prefix: bool = True,
                  static_batch: bool = False, drafter: Drafter | None = None,

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,6 +26,8 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+
+from rollwise.models.settings import TinySettings
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Digits and arithmetic first: every task prompt of the tiny model is spelled with these.
@@ -48,11 +51,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    pad_token="<pad>", unk_token="<unk>")
 
 
-def build_model(hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+def build_model(hidden: int = TinySettings.hidden, layers: int = TinySettings.layers,
+                heads: int = TinySettings.heads, kv_heads: int = TinySettings.kv_heads,
                 vocab_size: int | None = None, seed: int = 0, context: int = 512
                 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama-architecture decoder (about 0.8M parameters by default)
-    with a context of `context` tokens."""
+    """A randomly initialised Llama-architecture decoder (about 0.8M parameters with
+    TinySettings' shape) with a context of `context` tokens."""
     config = LlamaConfig(
         vocab_size=vocab_size or len(SPECIALS) + len(CHARS), hidden_size=hidden,
         intermediate_size=hidden * 3, num_hidden_layers=layers, num_attention_heads=heads,
@@ -107,17 +111,18 @@ def _sft(model, tokenizer, examples, steps: int, lr: float, batch: int, seed: in
     model.eval()
 
 
-def load_tiny(examples: list[tuple[str, str]] | None = None, *, hidden: int = 128,
-              layers: int = 4, heads: int = 4, kv_heads: int = 2, sft_steps: int = 250,
-              sft_lr: float = 3e-3, sft_batch: int = 64, seed: int = 0, context: int = 512):
+def load_tiny(examples: list[tuple[str, str]] | None = None, *, seed: int = 0,
+              context: int = 512, **settings):
     """The tiny model and tokenizer, warm-started on `examples` (cached), or untrained.
-    `context`: the longest sequence it takes (2048 leaves room for the tool instructions
-    `rollwise serve` adds to a chat with tools). No weight depends on it (rotary positions
-    are computed), so the cached warm start serves any context and is not keyed by it."""
+    `settings`: TinySettings' fields (its defaults for those left out). `context`: the
+    longest sequence it takes (2048 leaves room for the tool instructions `rollwise serve`
+    adds to a chat with tools). No weight depends on it (rotary positions are computed), so
+    the cached warm start serves any context and is not keyed by it."""
     tokenizer = build_tokenizer()
-    settings = {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
-                "sft_steps": sft_steps, "sft_lr": sft_lr, "sft_batch": sft_batch, "seed": seed,
-                "vocab": SPECIALS + CHARS, "format": 1}
+    s = TinySettings(**settings)
+    hidden, layers, heads, kv_heads = s.hidden, s.layers, s.heads, s.kv_heads
+    sft_steps, sft_lr, sft_batch = s.sft_steps, s.sft_lr, s.sft_batch
+    settings = asdict(s) | {"seed": seed, "vocab": SPECIALS + CHARS, "format": 1}
     if not examples or sft_steps == 0:
         return build_model(hidden, layers, heads, kv_heads, seed=seed, context=context), tokenizer
     path = cache_root() / "tiny" / warm_start_key(settings, examples)

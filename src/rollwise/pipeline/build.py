@@ -37,9 +37,11 @@ from rollwise.compose.parts import (
     place_remote,
     reward_specs,
     reward_timeout,
+    trained_dtype,
     verify_by_task,
 )
 from rollwise.compose.precision import PrecisionChoice
+from rollwise.compose.preflight import check_config, overlaps_in_process
 from rollwise.control import Controller, UniformSampler
 from rollwise.engine.base import Engine
 from rollwise.learner.sft import SftSettings
@@ -53,7 +55,7 @@ from rollwise.system.runtime import configure as configure_runtime
 from rollwise.tasks import Task
 from rollwise.types import EncodedPrompt
 
-__all__ = ["Stages", "build", "build_policy", "check_run_config", "encode_prompts", "run_steps"]
+__all__ = ["Stages", "build", "build_policy", "encode_prompts", "run_steps"]
 
 Rewards = dict[str, tuple[Callable, float]]
 
@@ -73,11 +75,8 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
     """`rewards`: the caller's own verifiers (name -> (function, weight)) besides the
     config's terms; the Python API (`rollwise.train`) passes them. `policy`: an already
     built policy to use instead of building one."""
-    from rollwise.compose.preflight import check_config
-
-    # names, options and devices, before the model loads
+    # names, options, placement and devices, before the model loads
     check_config(cfg, {name: fn for name, (fn, _) in (rewards or {}).items()})
-    check_run_config(cfg)
     threads = cfg.run.threads
     if not threads and overlaps_in_process(cfg):  # two sides compute at once: half each
         threads = max(1, free_cores() // 2)
@@ -96,7 +95,7 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
     check_enough_prompts(len(train_prompts), skipped, r.prompts_per_step)
     eval_prompts, eval_skipped = _eval_prompts(cfg, policy, task, scoring.extra)
     precision = build_precision(cfg, policy)
-    if cfg.learner.master_dtype == "bfloat16":  # before any engine decides what it shares
+    if trained_dtype(cfg) == "bfloat16":  # before any engine decides what it shares
         bfloat16_master(policy.model, keep_stream=precision.learner == "bf16-autocast",
                         residuals=cfg.learner.master_rounding == "compensated")
     sampler = UniformSampler(train_prompts, r.prompts_per_step, seed=cfg.run.seed)
@@ -218,31 +217,6 @@ def _evaluator(cfg: Config, policy: Policy, task: Task, precision: PrecisionChoi
                      max_tokens=e.max_tokens or r.max_tokens, pass_k=e.pass_k,
                      pass_samples=e.pass_samples, temperature=r.temperature or 1.0,
                      chunk=e.batch_size)
-
-
-def check_run_config(cfg: Config) -> None:
-    """Placement and schedule combinations that cannot work, before anything loads."""
-    from rollwise.compose.config import ConfigError
-
-    s, backend = cfg.schedule, cfg.run.backend
-    if overlaps_in_process(cfg) and cfg.engine.name != "native":
-        raise ConfigError(
-            f"schedule.mode='async' with schedule.max_staleness={s.max_staleness} in one "
-            f"process needs engine.name='native' (now '{cfg.engine.name}'), which keeps its "
-            "own copy of the weights: the HF engine reads the learner's weights, which an "
-            "update changes in place while the next rollouts run (or use run.backend='ray' "
-            "or engine.name='remote'; max_staleness=0 is synchronous training)")
-    if backend == "local" and cfg.ray.num_workers > 1:
-        raise ConfigError(f"ray.num_workers={cfg.ray.num_workers} needs "
-                          "run.backend='ray' (the local backend has one engine)")
-
-
-def overlaps_in_process(cfg: Config) -> bool:
-    """Rollouts of later steps run in this process while a step trains: asynchronous
-    training with staleness >= 1 and the engine here (not on Ray, not a server)."""
-    s = cfg.schedule
-    return (s.mode == "async" and s.max_staleness > 0 and cfg.run.backend == "local"
-            and cfg.engine.name != "remote")
 
 
 def run_steps(cfg: Config):

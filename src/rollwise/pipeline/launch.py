@@ -172,7 +172,7 @@ def open_run(cfg: Config, *, resume: Path | None = None, rewards: Rewards | None
         root, lock = claim_run_dir(Path(cfg.run.output_dir) / cfg.run.name, cfg.run.overwrite)
     run = Run(root, resume=resume is not None, config_toml=to_toml(cfg), lock=lock, echo=echo,
               keep_checkpoints=cfg.run.keep_checkpoints, loggers=_loggers(cfg, root, warn),
-              health=HealthCheck(cfg.health.patience, cfg.health.max_loss, cfg.health.max_kl))
+              health=HealthCheck(**cfg.health.model_dump()))
     update_run_file(root, functions=functions, memory=memory.record())
     run.summary.update({"model": cfg.model.name, "task": cfg.task.name,
                         **stages.info.summary(), "memory": memory.record()})

@@ -1,7 +1,7 @@
 r"""LLM-as-judge: a reward term scored by any OpenAI-compatible chat endpoint.
 
-``task.rewards = { judge = 1.0 }`` with a ``[judge]`` section
-(`rollwise.compose.config.JudgeConfig`): ``base_url``, ``model``, ``api_key_env`` (the *name*
+``task.rewards = { judge = 1.0 }`` with a ``[judge]`` section (built from `Judge`'s
+fields): ``base_url``, ``model``, ``api_key_env`` (the *name*
 of the environment variable holding the
 key; the key itself never goes in a config), ``prompt`` (a template with ``{question}``,
 ``{reference}`` and ``{response}``), ``score_regex`` (its first group is the grade),
@@ -46,18 +46,29 @@ def question_of(sample: Sample) -> str:
 
 @dataclass
 class Judge:
-    """A callable verifier `(completion, sample) -> score in [0, 1]` backed by an endpoint."""
+    """A callable verifier `(completion, sample) -> score in [0, 1]` backed by an endpoint.
+    The fields with help text are its settings, declared here once: the config's [judge]
+    section is built from them (compose/sections.py `section_of`)."""
 
-    base_url: str
-    model: str
-    api_key_env: str = "OPENAI_API_KEY"
-    prompt: str = DEFAULT_PROMPT
-    score_regex: str = r"GRADE:\s*([0-9]+(?:\.[0-9]+)?)"
-    max_score: float = 10.0
-    timeout_s: float = 30.0
-    retries: int = 2
-    max_concurrent: int = 4
-    cache: bool = True
+    base_url: str = field(default="", metadata={
+        "help": "Endpoint, e.g. 'http://127.0.0.1:8000/v1'."})
+    model: str = field(default="", metadata={"help": "Model name the endpoint serves."})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={
+        "help": "Name of the environment variable holding the API key (never the key itself)."})
+    prompt: str | None = field(default=None, metadata={
+        "help": "Template with {question}, {reference}, {response} (default: a 0-10 grading "
+        "prompt)."})
+    score_regex: str = field(default=r"GRADE:\s*([0-9]+(?:\.[0-9]+)?)", metadata={
+        "help": "Regex whose first group is the grade."})
+    max_score: float = field(default=10.0, metadata={
+        "gt": 0, "help": "Grades are divided by this, clipped to [0, 1]."})
+    timeout_s: float = field(default=30.0, metadata={
+        "gt": 0, "help": "Time limit of one request."})
+    retries: int = field(default=2, metadata={"ge": 0, "help": "Retries of a failed request."})
+    max_concurrent: int = field(default=4, metadata={
+        "ge": 1, "help": "Requests at once per reward worker."})
+    cache: bool = field(default=True, metadata={
+        "help": "Cache grades by (prompt, response)."})
     cache_size: int = 100_000
     calls: int = 0  # requests sent by this process (cache hits excluded)
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -67,6 +78,7 @@ class Judge:
     _pid: int = field(default=0, repr=False)
 
     def __post_init__(self):
+        self.prompt = self.prompt or DEFAULT_PROMPT
         for key in ("{question}", "{response}"):
             if key not in self.prompt:
                 raise ValueError(f"judge.prompt must contain {key}")

@@ -32,7 +32,7 @@ class RolloutFigures:
     stale_dropped: int = 0  # pooled samples started over (older than max_staleness)
     stale_dropped_tokens: int = 0
     pool_groups: int = 0  # groups left in the partial pool after the (latest) round
-    tree_groups: int = 0  # groups grown as trees (schedule.tree; rollout/trees.py)
+    tree_groups: int = 0  # groups grown as trees (tree.mode; rollout/trees.py)
     tree_forks: int = 0  # branches they started from another
     tree_prunes: int = 0  # LATR branches pruned at a lookahead point
     lengths: list[int] = field(default_factory=list)  # [S] response lengths returned

@@ -1,5 +1,5 @@
 """Tree rollouts inside a response: a group grown as a tree of branches that share
-prefixes, driven by the rollout scheduler's hooks (`schedule.tree`, docs/rollout.md).
+prefixes, driven by the rollout scheduler's hooks (`tree.mode`, docs/rollout.md).
 
     latr      Lookahead tree-based rollouts. One greedy root per group, asking the engine for
               its top-2 log-probs. A branch forks at position t onto the second candidate
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
 
 from rollwise.engine.base import RequestEngine, SamplingParams
 from rollwise.engine.sampling import derive_seed
@@ -53,28 +53,53 @@ _FORK_STREAM = 7919  # a group's j-th fork seed: derive_seed(its first seed, _FO
 
 @dataclass(frozen=True)
 class TreeSettings:
-    """The [schedule] tree keys (compose/sections.py documents each)."""
+    """The tree settings: each field's default, bounds and help text are declared here once,
+    and the config's [tree] section is built from them (compose/sections.py `section_of`)."""
 
-    mode: str = "none"
-    share: float = 1.0
-    decay_steps: int = 0
-    forced_tokens: str = "mask"
-    latr_threshold: float = 0.25
-    latr_margin: float = 0.5
-    latr_lookahead: tuple[int, ...] = (20, 30, 50)
-    latr_similarity: float = 0.9
-    entropy_branches: int = 2
-    entropy_fork_after: int = 0
+    mode: Literal[MODES] = field(default="none", metadata={"help": (
+        "Tree rollouts inside a response (docs/rollout.md): 'latr' (greedy branches fork "
+        "onto likely second candidates, near-copies are pruned at lookahead points, the full "
+        "group finishes by sampling), 'entropy' (Tree-GRPO: roots fork their other samples "
+        "at their highest-entropy tokens, sharing the prefix's keys/values). Native engine, "
+        "schedule.strategy 'continuous'.")})
+    share: float = field(default=1.0, metadata={"ge": 0, "le": 1, "help": (
+        "The fraction of groups grown as trees (the rest are sampled as usual).")})
+    decay_steps: int = field(default=0, metadata={"ge": 0, "help": (
+        "share decays linearly to 0 over this many policy versions (0: no decay).")})
+    forced_tokens: Literal[FORCED] = field(default="mask", metadata={"help": (
+        "latr: tokens chosen greedily or by a fork are not policy samples: 'mask' leaves "
+        "them out of the loss (loss_mask 0), 'keep' trains them with the policy's "
+        "temperature-1 log-prob as their behaviour log-prob.")})
+    latr_threshold: float = field(default=0.25, metadata={"gt": 0, "lt": 1, "help": (
+        "latr: a branch forks onto its second candidate when that candidate's probability "
+        "is at least this...")})
+    latr_margin: float = field(default=0.5, metadata={"ge": 0, "le": 1, "help": (
+        "latr: ...and within this fraction of the top candidate's "
+        "(p1 - p2 <= latr_margin * p1).")})
+    latr_lookahead: tuple[int, ...] = field(default=(20, 30, 50), metadata={
+        "min_length": 1, "help": "latr: tokens after its birth at which a branch is compared "
+        "with its parent over the same positions."})
+    latr_similarity: float = field(default=0.9, metadata={"gt": 0, "le": 1, "help": (
+        "latr: prune a branch whose ROUGE-L F1 with its parent over a lookahead span "
+        "reaches this.")})
+    entropy_branches: int = field(default=2, metadata={"ge": 2, "help": (
+        "entropy: samples per root (the root and its forks); a group starts "
+        "group_size / entropy_branches roots.")})
+    entropy_fork_after: int = field(default=0, metadata={"ge": 0, "help": (
+        "entropy: fork a running root once it has this many tokens, at its highest-entropy "
+        "positions among them (its forks run beside it; the prefix is recomputed, not "
+        "lent); 0: fork when the root finishes, on its kept cache.")})
+
+    def __post_init__(self) -> None:
+        if any(n < 1 for n in self.latr_lookahead):
+            raise ValueError("latr_lookahead points are token counts >= 1, got "
+                             f"{list(self.latr_lookahead)}")
+        object.__setattr__(self, "latr_lookahead", tuple(sorted(set(self.latr_lookahead))))
 
 
-def tree_settings(schedule) -> TreeSettings:
-    """The TreeSettings of a [schedule] section (compose/sections.py ScheduleConfig)."""
-    return TreeSettings(
-        mode=schedule.tree, share=schedule.tree_share, decay_steps=schedule.tree_decay_steps,
-        forced_tokens=schedule.tree_forced_tokens, latr_threshold=schedule.latr_threshold,
-        latr_margin=schedule.latr_margin, latr_lookahead=tuple(schedule.latr_lookahead),
-        latr_similarity=schedule.latr_similarity, entropy_branches=schedule.entropy_branches,
-        entropy_fork_after=schedule.entropy_fork_after)
+def tree_settings(section) -> TreeSettings:
+    """The TreeSettings of a [tree] section (its keys are TreeSettings' fields)."""
+    return TreeSettings(**{f.name: getattr(section, f.name) for f in fields(TreeSettings)})
 
 
 @dataclass

@@ -11,6 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rollwise.compose.sections import HealthConfig
+
+# The thresholds are the [health] section's (declared once, in compose/sections.py).
+_DEFAULT = HealthConfig()
+
 
 class RunUnhealthy(RuntimeError):
     """The run cannot learn anything; the message says why and what to check."""
@@ -21,7 +26,8 @@ def _num(record: dict, key: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def step_problems(record: dict, max_loss: float = 1e3, max_kl: float = 10.0) -> list[str]:
+def step_problems(record: dict, max_loss: float = _DEFAULT.max_loss,
+                  max_kl: float = _DEFAULT.max_kl) -> list[str]:
     """What is wrong with one training-step record ([] when nothing is).
 
     >>> step_problems({"step_rollouts": 8, "reward_errors": 8, "groups_kept": 2,
@@ -49,11 +55,12 @@ def step_problems(record: dict, max_loss: float = 1e3, max_kl: float = 10.0) -> 
 
 @dataclass
 class HealthCheck:
-    """Counts consecutive steps with problems; `patience` 0 only warns."""
+    """Counts consecutive steps with problems; `patience` 0 only warns. The settings are
+    [health]'s: `HealthCheck(**cfg.health.model_dump())`."""
 
-    patience: int = 5
-    max_loss: float = 1e3
-    max_kl: float = 10.0
+    patience: int = _DEFAULT.patience
+    max_loss: float = _DEFAULT.max_loss
+    max_kl: float = _DEFAULT.max_kl
     streak: int = 0
     problem_steps: int = 0  # steps with a problem over the whole run
     last: list[str] = field(default_factory=list)
