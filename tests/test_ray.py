@@ -68,7 +68,7 @@ def test_ray_matches_local_and_async_zero_too(tmp_path):
 
 @pytest.mark.slow
 def test_workers_rollout_state_is_checkpointed_and_resume_equals_the_uninterrupted_run(tmp_path):
-    """The workers' own rollout state (here spec_reuse's previous responses, over 8 prompts
+    """The workers' own rollout state (here speculation.reuse's previous responses, over 8 prompts
     that come back every other step) is in the checkpoint: a run stopped by Ctrl-C during
     step 3 and resumed trains steps 3 and 4 exactly as the uninterrupted run, drafts
     included."""

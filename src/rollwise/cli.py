@@ -283,9 +283,12 @@ def serve(model: Annotated[str, typer.Option(
                                 ] = 4096,
           max_body_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 1 << 20,
           max_n: Annotated[int, typer.Option(help="Most choices per prompt (n).")] = 16,
-          max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded at once.")] = 64,
-          kv_budget_tokens: Annotated[int, typer.Option(help="KV cache size in tokens.")
-                                      ] = 65536,
+          max_num_seqs: Annotated[int | None, typer.Option(
+              help="Sequences decoded at once (default: the native engine's, as "
+              "engine.batch_size).")] = None,
+          kv_budget_tokens: Annotated[int | None, typer.Option(
+              help="KV cache size in tokens (default: the native engine's, as "
+              "engine.kv_budget_tokens).")] = None,
           device: Annotated[str, typer.Option(help="Torch device: cpu, cuda or cuda:N.")
                             ] = "cpu",
           threads: Annotated[int, typer.Option(help="Torch CPU threads (0: cores free at start).")

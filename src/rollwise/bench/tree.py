@@ -60,7 +60,7 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 16, fork_after: 
     ratios = {f"median_{side}_over_plain_seconds": statistics.median(
         b["seconds"] / a["seconds"] for a, b in zip(per_side["plain"], per_side[side]))
         for side in SIDES[1:]}
-    s = cfg.schedule
+    s = cfg.tree
     return {"benchmark": "B-tree: plain sampling vs LATR vs entropy branching",
             "config": str(config) if config else "configs/tiny_arith.toml",
             "overrides": list(overrides or []),
@@ -69,11 +69,11 @@ def run(config: Path | None, *, rounds: int = 3, prompts: int = 16, fork_after: 
             "temperature": cfg.rollout.temperature, "max_tokens": cfg.rollout.max_tokens,
             "rollout_dtype": precision.rollout,
             "tree_options": {"latr_threshold": s.latr_threshold, "latr_margin": s.latr_margin,
-                             "latr_lookahead": s.latr_lookahead,
+                             "latr_lookahead": list(s.latr_lookahead),
                              "latr_similarity": s.latr_similarity,
                              "entropy_branches": s.entropy_branches,
                              "entropy_fork_after (entropy-running)": fork_after,
-                             "tree_forced_tokens": s.tree_forced_tokens},
+                             "tree_forced_tokens": s.forced_tokens},
             "sides": rows, **ratios}
 
 
