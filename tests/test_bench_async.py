@@ -17,7 +17,7 @@ import pytest
 
 from rollwise.bench import overlap
 from rollwise.bench.servers import serve_command
-from rollwise.pipeline.asyncloop import PublishHandoff
+from rollwise.pipeline.stages import Stages
 from rollwise.types import Published
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
@@ -129,41 +129,43 @@ def test_remote_variants_train_the_in_process_trajectories(monkeypatch):
     assert len(urls) == 2 and not any(listening(u) for u in urls)  # each server stopped
 
 
-def test_the_rollout_side_loads_published_weights_when_the_producer_applies_them():
+def test_the_rollout_side_loads_published_weights_when_the_producer_activates_them():
+    """The learner's thread publishes and stages (`Stages.publish(v, activate=False)`), the
+    producer activates the latest staged version; the trainer's next publication waits
+    while an activation runs (it would replace the folder being loaded)."""
     calls, loading, release = [], threading.Event(), threading.Event()
 
     class Rollout:
         version = 0
 
-        def publish(self, weights):
+        def stage(self, weights):
+            calls.append(("stage", weights.version))
+
+        def activate(self, version):
             loading.set()
             release.wait(10)
-            calls.append(("load", weights.version))
+            calls.append(("load", version))
 
     class Trainer:
         def publish(self, version):
             calls.append(("write", version))
             return Published(version, f"v{version}", 1)
 
-    rollout, trainer = Rollout(), Trainer()
-    stages = SimpleNamespace(rollout_stage=rollout, learner=trainer)
-    handoff = PublishHandoff(stages)
-    for v in (1, 2):  # what loop.learn does, twice before the producer applies
-        stages.rollout_stage.publish(stages.learner.publish(v))
-    assert calls == [("write", 1), ("write", 2)] and stages.rollout_stage.version == 0
-    producer = threading.Thread(target=handoff.apply)
+    stages = SimpleNamespace(rollout_stage=Rollout(), learner=Trainer(),
+                             _publishing=threading.Lock(), _staged=None)
+    for v in (1, 2):  # what loop.learn does, twice before the producer activates
+        Stages.publish(stages, v, activate=False)
+    assert calls == [("write", 1), ("stage", 1), ("write", 2), ("stage", 2)]
+    producer = threading.Thread(target=Stages.activate, args=(stages,))
     producer.start()
     assert loading.wait(10)
-    writer = threading.Thread(target=lambda: stages.learner.publish(3))
+    writer = threading.Thread(target=Stages.publish, args=(stages, 3, False))
     writer.start()  # the next publication replaces the folder being read: it waits
     time.sleep(0.2)
-    assert calls == [("write", 1), ("write", 2)]
+    assert calls[-1] == ("stage", 2)
     release.set()
     producer.join(10)
     writer.join(10)
-    assert calls == [("write", 1), ("write", 2), ("load", 2), ("write", 3)]  # latest wins
-    assert handoff.apply() == 0.0  # nothing left behind
-    stages.rollout_stage.publish(Published(3, "v3", 1))
-    handoff.close()  # the last publication reaches the rollout side; the ports restored
-    assert calls[-1] == ("load", 3)
-    assert stages.rollout_stage is rollout and stages.learner is trainer
+    assert calls[4:] == [("load", 2), ("write", 3), ("stage", 3)]  # latest wins
+    assert Stages.activate(stages) > 0.0 and calls[-1] == ("load", 3)
+    assert Stages.activate(stages) == 0.0  # nothing left behind

@@ -119,13 +119,13 @@ def test_remote_matches_in_process_and_the_server_follows_the_trainer(tmp_path, 
     stages = build(cfg)
     assert server.version() == 0  # the driver's weights, loaded as version 0
     seen = []
-    publish = stages.rollout_stage.publish
+    activate = stages.rollout_stage.activate
 
-    def publish_and_ask(weights: Published) -> None:
-        publish(weights)
-        seen.append((weights.version, server.version()))
+    def activate_and_ask(version: int) -> None:
+        activate(version)
+        seen.append((version, server.version()))
 
-    stages.rollout_stage.publish = publish_and_ask
+    stages.rollout_stage.activate = activate_and_ask
     run_config(cfg, "remote", stages=stages)
     assert seen == [(1, 1), (2, 2)]
     a, b = records(tmp_path / "local"), records(tmp_path / "remote")

@@ -297,3 +297,59 @@ class Published:
     version: int
     handle: Any = None
     nbytes: int = 0
+
+
+class PublishError(RuntimeError):
+    """A publication the rollout side could not stage, or refused to activate: names the
+    placement, the phase ('stage' or 'activate') and the version. The rollout side keeps
+    the version it had active."""
+
+    def __init__(self, placement: str, phase: str, version: int, reason: str):
+        super().__init__(f"{placement}: {phase} of weights version {version} failed: "
+                         f"{reason}; the rollout side keeps its active version")
+        self.placement, self.phase, self.version = placement, phase, version
+
+
+class WeightSlots:
+    """The rollout side's two slots of published weights (pipeline/ports.py's protocol):
+    `active`, whose version new tokens carry, and `staged`, taken for the next step
+    boundary. Versions only move forward: staging or activating one older than the active
+    version is refused; the same version again is allowed (a resumed run, a warm start).
+    Each rollout port fills in what staging takes and what activation installs."""
+
+    def __init__(self, placement: str, version: int):
+        self.placement = placement
+        self.active: Published = Published(version)
+        self.staged: Published | None = None
+
+    def stage(self, weights: Published, take: Callable[[Published], Published]) -> None:
+        """`take(weights)` (the rollout side's copy or handle) kept as the staged weights,
+        replacing any not activated yet; a failure keeps the slots as they were."""
+        self._forward("stage", weights.version)
+        try:
+            taken = take(weights)
+        except PublishError:
+            raise
+        except Exception as e:
+            raise PublishError(self.placement, "stage", weights.version,
+                               f"{type(e).__name__}: {e}") from e
+        self.staged = taken
+
+    def activate(self, version: int, install: Callable[[Published], None]) -> None:
+        """The staged weights of `version` installed by `install` and made active; refused
+        (PublishError) when `version` is older than the active one or not the one staged.
+        `install`'s own errors (a server that could not load) pass through as they are."""
+        self._forward("activate", version)
+        staged = self.staged
+        if staged is None or staged.version != version:
+            had = "nothing" if staged is None else f"version {staged.version}"
+            raise PublishError(self.placement, "activate", version,
+                               f"it is not the version staged ({had} is)")
+        install(staged)
+        self.active, self.staged = staged, None
+
+    def _forward(self, phase: str, version: int) -> None:
+        if version < self.active.version:
+            raise PublishError(self.placement, phase, version,
+                               f"older than the active version {self.active.version} "
+                               "(versions only move forward)")

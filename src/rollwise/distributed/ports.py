@@ -33,9 +33,17 @@ from rollwise.distributed.actors import load_plain, to_plain
 from rollwise.rewards import RewardStats
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.strategy import strategy
-from rollwise.types import Batch, EncodedPrompt, Group, Published
+from rollwise.types import Batch, EncodedPrompt, Group, Published, WeightSlots
 
+PLACEMENT = "Ray rollout workers"  # how publication errors name this placement
 RESTARTS = 4  # times Ray restarts a dead rollout or reward actor
+
+
+def _referenced(weights: Published) -> Published:
+    if weights.handle is None:
+        raise ValueError("the trainer published no object store reference for the workers "
+                         "(run.backend='ray' needs the Ray learner's publication)")
+    return weights
 
 
 class LearnerDied(RuntimeError):
@@ -53,7 +61,7 @@ class RayRollout:
         self.policy_ref = policy_ref
         self._lock = threading.Lock()
         self._uid = 0  # the next group number (the driver numbers groups: seeded rollouts)
-        self._weights = Published(version)
+        self.slots = WeightSlots(PLACEMENT, version)  # the publication protocol
         self._pending: dict[int, RewardStats] = {}
         self._figures: list[RolloutFigures] = []
         self._load_s = 0.0
@@ -62,13 +70,13 @@ class RayRollout:
 
     @property
     def version(self) -> int:
-        return self._weights.version
+        return self.slots.active.version
 
     def run(self, prompts: list[EncodedPrompt], sizes: list[int]) -> list[Group]:
         k = max(1, min(len(self.workers), len(prompts)))
         bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
         with self._lock:
-            first, weights = self._uid, self._weights
+            first, weights = self._uid, self.slots.active
             self._uid += len(prompts)
         calls = [w.rollout.remote(prompts[a:b], sizes[a:b],
                                   first + a if self.numbered else None, weights.version,
@@ -103,10 +111,21 @@ class RayRollout:
         return figures | {"weights_load_seconds": load,
                           "rollout_worker_restarts": self.restarts}
 
-    def publish(self, weights: Published) -> None:
-        """Workers load `weights` (from the object store) before their next request."""
+    def stage(self, weights: Published) -> None:
+        """The trainer put the weights in the object store: the reference is staged (the
+        workers fetch nothing yet)."""
+        self.slots.stage(weights, _referenced)
+
+    def activate(self, version: int) -> None:
+        """Workers load the staged version (from the object store) before their next
+        request; the requests already sent finish with the weights they had."""
         with self._lock:
-            self._weights = weights
+            self.slots.activate(version, lambda weights: None)
+
+    def publish(self, weights: Published) -> None:
+        """Stage and activate at once (no step runs in between)."""
+        self.stage(weights)
+        self.activate(weights.version)
 
     def state_dict(self) -> dict[str, Any] | None:
         """Every worker's rollout state, in worker order (a partial strategy's pool of

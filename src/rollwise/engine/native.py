@@ -103,8 +103,12 @@ class NativeEngine:
     @torch.inference_mode()
     def take(self) -> Taken | None:
         """The weights as they are now, converted for this engine and installed by a later
-        `publish(version, taken)` (None: the engine reads the parameters in place)."""
-        return None if self.borrowed else self.decoder.take()
+        `publish(version, taken)`: the rollout side's stage of a publication. None when
+        the engine does not own its weights (it reads the parameters in place, or converts
+        them at `publish`: nothing trains while it generates)."""
+        if self.borrowed or not self.decoder.own_weights:
+            return None
+        return self.decoder.take()
 
     @torch.inference_mode()
     def publish(self, version: int, taken: Taken | None = None) -> None:

@@ -21,16 +21,19 @@ of step k start after the update of step k-1, with the same prompts, seeds and w
 The stage objects must allow one rollout while another thread trains. With the Ray
 backend or inference servers the engines are separate processes with their own copy of the
 weights. In one process the native engine keeps a copy of its own (`own_weights`, built so
-when S >= 1): the trainer's thread takes it right after an update (`RolloutStage.prepare`,
-while the tensors hold still) and the producer installs it between two steps' rollouts.
+when S >= 1): the trainer's thread takes it right after an update (the rollout port's
+`stage`, while the tensors hold still) and the producer installs it between two steps'
+rollouts (`activate`).
 The evaluator then has an engine of its own too, reading the trainer's tensors on the
 trainer's thread. The HF engine reads the model in place, so it runs only `S = 0`
 (build.check_run_config says so).
 
-With `S >= 1` a publication is handed over (`PublishHandoff`): the learner's step ends once
-the trainer has published, and the producer brings the rollout side to that version (a
-server loading the weights folder, Ray workers taking the reference) just before it starts
-the next step's rollouts, while the learner trains on. The rollouts start with the weights
+With `S >= 1` the driver calls the publication's phases (pipeline/ports.py) itself: the
+learner's step ends once the trainer has published and the rollout side staged it
+(`Stages.publish(v, activate=False)`), and the producer activates the latest staged version
+(a server loading the weights folder, Ray workers taking the reference, the engine
+installing its copy) just before it starts the next step's rollouts, while the learner
+trains on (`Stages.activate`). The rollouts start with the weights
 they started with before, and never see new weights arrive in the middle of a step.
 """
 
@@ -43,7 +46,7 @@ import time
 from rollwise.pipeline.loop import Collected, collect, learn, staleness_histogram, take_kept
 from rollwise.pipeline.stages import Stages
 from rollwise.run.rundir import Run, StepTimer
-from rollwise.types import Group, Published
+from rollwise.types import Group
 
 STALE_POLICIES = ("drop", "regenerate")
 
@@ -76,73 +79,6 @@ def bound_staleness(stages: Stages, batch: Collected, version: int, max_stalenes
     return len(stale)
 
 
-class _Port:
-    """A port whose `publish` is the handoff's; everything else is the port's own."""
-
-    def __init__(self, port, publish):
-        self._port, self.publish = port, publish
-
-    def __getattr__(self, name: str):
-        return getattr(self._port, name)
-
-
-class PublishHandoff:
-    """The rollout side of each publication, carried out by the producer thread.
-
-    Installed on `stages` (its two ports wrapped) for the life of the asynchronous driver:
-    the learner thread's `rollout port.publish` only leaves the weights here (the latest
-    wins), and `apply` (the producer, before a step's rollouts) has the rollout port load
-    them, so a server's load of a weights folder no longer stalls the learner. The
-    trainer's next publication waits while one is being applied: it replaces the folder
-    the servers are reading."""
-
-    def __init__(self, stages: Stages):
-        self.stages, self.rollout, self.trainer = stages, stages.rollout_stage, stages.learner
-        self._cv = threading.Condition()
-        self._pending: Published | None = None
-        self._applying = False
-        stages.rollout_stage = _Port(self.rollout, self._leave)
-        stages.learner = _Port(self.trainer, self._publish_trainer)
-
-    def _leave(self, weights: Published) -> None:
-        # an engine in this process takes its copy of the weights here, on the trainer's
-        # thread: the next update changes the tensors in place while the rollouts run
-        prepare = getattr(self.rollout, "prepare", None)
-        if prepare is not None:
-            weights = prepare(weights)
-        with self._cv:
-            self._pending = weights
-
-    def _publish_trainer(self, version: int) -> Published:
-        with self._cv:
-            while self._applying:
-                self._cv.wait()
-        return self.trainer.publish(version)
-
-    def apply(self) -> float:
-        """Bring the rollout port to the latest published weights; the seconds it took."""
-        with self._cv:
-            weights, self._pending = self._pending, None
-            self._applying = weights is not None
-        if weights is None:
-            return 0.0
-        start = time.perf_counter()
-        try:
-            self.rollout.publish(weights)
-        finally:
-            with self._cv:
-                self._applying = False
-                self._cv.notify_all()
-        return time.perf_counter() - start
-
-    def close(self) -> None:
-        """The last publication applied, the ports put back as they were."""
-        try:
-            self.apply()
-        finally:
-            self.stages.rollout_stage, self.stages.learner = self.rollout, self.trainer
-
-
 class AsyncSteps:
     """The asynchronous step, in the shape of `loop.SyncSteps` (pass it to `loop.train`
     with `functools.partial(AsyncSteps, max_staleness=S, stale_policy=...)`).
@@ -168,8 +104,8 @@ class AsyncSteps:
         self._trained, self._after = start, json.loads(json.dumps(stages.stage_state()))
         self._error: BaseException | None = None
         self._stop = False
-        # S = 0 stays synchronous training exactly: the rollout side follows at once
-        self._handoff = PublishHandoff(stages) if max_staleness > 0 else None
+        # S = 0 stays synchronous training exactly: the rollout side activates at once
+        self._handover = max_staleness > 0
         run.hold_stage_state(self.checkpoint_state)
         self._thread = threading.Thread(target=self._produce, args=(start + len(self._ready),),
                                         daemon=True, name="rollwise-producer")
@@ -185,7 +121,7 @@ class AsyncSteps:
                     if self._stop:
                         return
                     version = self._version
-                applied = self._handoff.apply() if self._handoff is not None else 0.0
+                applied = self.stages.activate()  # the latest version the learner staged
                 timer = StepTimer()
                 batch = collect(self.stages, timer)
                 bounded = self._bound(batch, step, timer)
@@ -231,7 +167,7 @@ class AsyncSteps:
         self._trained, self._after = step + 1, batch.state
         batch.state = None  # the snapshot's state is checkpoint_state's, at that instant
         record = learn(self.stages, self.run, step, self.num_steps, batch, timer,
-                       {"queue_depth": depth})
+                       {"queue_depth": depth}, activate=not self._handover)
         with self._cv:
             self._version = step + 1
             self._cv.notify_all()
@@ -256,5 +192,4 @@ class AsyncSteps:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=600)
-        if self._handoff is not None:
-            self._handoff.close()
+        self.stages.activate()  # the last publication reaches the rollout side

@@ -189,13 +189,14 @@ def collect(stages: Stages, timer: StepTimer) -> Collected:
 
 
 def learn(stages: Stages, run: Run, step: int, num_steps: int, batch: Collected,
-          timer: StepTimer, extra: dict | None = None) -> dict:
+          timer: StepTimer, extra: dict | None = None, activate: bool = True) -> dict:
     """Advantages, update and publication of one step's groups; its metrics record.
-    `extra`: figures a driver adds to the record (the asynchronous driver's)."""
+    `extra`: figures a driver adds to the record (the asynchronous driver's); `activate`:
+    False when the driver activates the publication itself, at a later step boundary."""
     with defer_interrupt():  # Ctrl-C waits until the update is recorded
         with timer("train"):
             update = stages.update(stages.advantages(batch.kept)) if batch.kept else {}
-        published = stages.publish(step + 1)  # its own figures (publish_seconds)
+        published = stages.publish(step + 1, activate)  # its figures (publish_seconds)
         record = run.record_step(step + 1, num_steps, batch.groups, batch.kept,
                                  batch.reward_stats, update | published, timer,
                                  control=batch.control | batch.flow()

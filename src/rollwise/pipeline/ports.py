@@ -12,15 +12,28 @@ docs/remote.md): `rollout.RemoteRollout` sends each group to a server, and the t
 the learner in this process as `learner.FileTrainer`, whose publications are folders of
 weights the servers load by version.
 
-Weights flow one way, by version: `trainer.publish(v)` returns a `Published` record
-(no handle when the rollout side reads the trainer's tensors), `rollout.publish(it)`
-makes version v the one later tokens are sampled with. The driver keeps its own copy of
-the policy for evaluation and checkpoints; `trainer.sync_into(model)` brings it to the
-latest published version (nothing to do in one process, where it is the trained model).
-A rollout port in this process may also offer `prepare(weights) -> Published`: the
-asynchronous driver calls it on the trainer's thread when it hands a publication over, so
-that an engine keeping its own copy takes the weights while no update runs
-(rollout.RolloutStage.prepare); ports whose weights travel by handle have none.
+Weights flow one way, by version, in three phases every placement implements:
+
+    phase      who, when                        in process          Ray             servers
+    publish    trainer, after an update         (nothing: shared)   object store    folder
+    stage      rollout side, trainer's thread,  engine's own copy   reference kept  folders
+               while no update runs             (or nothing)                        resolved
+    activate   rollout side, at a step          engine installs     workers load    servers
+               boundary                         it                  at next request load it
+
+`trainer.publish(v)` returns a `Published` record; `rollout.stage(it)` takes the rollout
+side's copy or handle of it, while tokens keep the active version; `rollout.activate(v)`
+makes v the version of every later token. Versions only move forward: staging or
+activating an older one is refused, and a stage that fails keeps the active version;
+both raise `types.PublishError` naming the placement and the phase (`types.WeightSlots`
+keeps the two slots for every port). `rollout.publish(it)` is stage then activate at once.
+The synchronous driver activates right after staging; the asynchronous one stages on the
+trainer's thread and activates on the producer's, before a step's rollouts
+(`Stages.publish`, `Stages.activate`).
+
+The driver keeps its own copy of the policy for evaluation and checkpoints;
+`trainer.sync_into(model)` brings it to the latest published version (nothing to do in
+one process, where it is the trained model).
 """
 
 from __future__ import annotations
@@ -51,8 +64,19 @@ class RolloutPort(Protocol):
         """This step's rollout figures; resets."""
         ...
 
+    def stage(self, weights: Published) -> None:
+        """Take the rollout side's copy or handle of `weights` (the trainer's thread, no
+        update running); later tokens keep the active version. PublishError when it fails
+        or `weights` is older than the active version."""
+        ...
+
+    def activate(self, version: int) -> None:
+        """At a step boundary: later tokens are sampled with the staged weights, which
+        carry `version`. PublishError when `version` is older or not the one staged."""
+        ...
+
     def publish(self, weights: Published) -> None:
-        """Sample later tokens with the weights of `weights.version`."""
+        """`stage(weights)` then `activate(weights.version)`."""
         ...
 
     def state_dict(self) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ Nothing here reads the config tree: `build.py` passes plain arguments.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -81,6 +82,9 @@ class Stages:
     # `loop.Collected.to_plain`), held from `load_state_dict` until the asynchronous
     # driver takes them to train first (asyncloop.take_kept)
     ahead: list[dict] = field(default_factory=list)
+    # publication (Stages.publish, Stages.activate): one phase at a time; the version staged
+    _publishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _staged: int | None = field(default=None, repr=False)
 
     @property
     def model(self):
@@ -142,14 +146,32 @@ class Stages:
             release_cache(getattr(self.rollout_stage, "engine", None))
         return self.learner.update(batch)
 
-    def publish(self, version: int) -> dict[str, float]:
-        """The rollout side samples with the trainer's weights as `version` from now on; the
-        time it took (and the bytes sent, when they travel), for the step's record."""
+    def publish(self, version: int, activate: bool = True) -> dict[str, float]:
+        """The trainer publishes its weights as `version` and the rollout side stages them;
+        `activate`: and samples with them from now on (else at `activate()`, a later step
+        boundary). Waits while an activation runs: a trainer's next publication may replace
+        what the rollout side is loading. The time it took (and the bytes sent, when they
+        travel), for the step's record."""
         start = time.perf_counter()
-        weights = self.learner.publish(version)
-        self.rollout_stage.publish(weights)
+        with self._publishing:
+            weights = self.learner.publish(version)
+            self.rollout_stage.stage(weights)
+            self._staged = version
+        if activate:
+            self.activate()
         out = {"publish_seconds": time.perf_counter() - start}
         return out | ({"weights_bytes": weights.nbytes} if weights.nbytes else {})
+
+    def activate(self) -> float:
+        """The rollout side samples with the latest staged version from now on (none
+        staged: nothing to do); the seconds it took."""
+        with self._publishing:
+            version, self._staged = self._staged, None
+            if version is None:
+                return 0.0
+            start = time.perf_counter()
+            self.rollout_stage.activate(version)
+            return time.perf_counter() - start
 
     def evaluate(self) -> dict[str, float]:
         self._sync_driver()
@@ -205,7 +227,7 @@ class Stages:
             self.control.load_state_dict(state["control"])
         self.rollout_stage.load_state_dict(state.get("rollout"))
         self.ahead = list(state.get("ahead", []))
-        self.rollout_stage.publish(self.learner.publish(state["version"]))
+        self.publish(state["version"])
 
     def samples_by_id(self) -> dict[str, Sample]:
         """The training prompts' samples by id: what a kept batch's groups name."""

@@ -34,8 +34,9 @@ from rollwise.rollout.dialects import Ask, make_dialect
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scoring import ScoreAhead, Scorer
 from rollwise.rollout.servers import RemoteError, Servers
-from rollwise.types import Completion, EncodedPrompt, Group, Published, Trajectory
+from rollwise.types import Completion, EncodedPrompt, Group, Published, Trajectory, WeightSlots
 
+PLACEMENT = "remote servers"  # how publication errors name this placement
 TIMINGS = ("queue_s", "prefill_s", "decode_s")  # a server's per-request timings, if it gives them
 RESUMES = 8  # times one group is sent again after a weight update aborted it ('abort' mode)
 
@@ -83,7 +84,8 @@ class RemoteRollout:
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rollwise-remote")
         self._lock = threading.Lock()
         self._uid = 0  # the next group number
-        self._weights = Published(version)
+        self.slots = WeightSlots(PLACEMENT, version)  # the publication protocol
+        self._folders_staged: list[str] = []  # the staged version's folder per server
         self._figures: list[RolloutFigures] = []
         self._calls = _Calls()
         self._load_s = 0.0  # the last weight update's round trip (the slowest server's)
@@ -92,7 +94,7 @@ class RemoteRollout:
 
     @property
     def version(self) -> int:
-        return self._weights.version
+        return self.slots.active.version
 
     def run(self, prompts: list[EncodedPrompt], sizes: list[int]) -> list[Group]:
         """One request per group, in flight together; each group starts scoring when its
@@ -181,13 +183,27 @@ class RemoteRollout:
         return out | calls.metrics() | phases | {"remote_retries": self.servers.take_retries(),
                                                  "remote_weights_update_seconds": load}
 
-    def publish(self, weights: Published) -> None:
-        """Every server loads the folder `weights.handle` as `weights.version` (all at
-        once); the first failure stops the run with the server's message."""
+    def stage(self, weights: Published) -> None:
+        """The folder each server will load (`weights.handle`: the trainer's folders,
+        written in the precision each server samples in, a dtype first asked written now),
+        on the trainer's thread; the servers load nothing yet."""
+        self.slots.stage(weights, self._resolve)
+
+    def _resolve(self, weights: Published) -> Published:
         if weights.handle is None:
             raise RemoteError("the trainer published no weights folder for the servers "
                               "(engine.name='remote' needs the trainer that writes one)")
-        folders = self._folders(weights.handle)
+        self._folders_staged = self._folders(weights.handle)
+        return weights
+
+    def activate(self, version: int) -> None:
+        """Every server loads the staged folder as `version` (all at once; in-flight
+        requests paused or aborted: `sync`); the first failure stops the run with the
+        server's message, naming it and the phase."""
+        self.slots.activate(version, self._load)
+
+    def _load(self, weights: Published) -> None:
+        folders = self._folders_staged
         # threads of its own: generate calls in flight (asynchronous driver) may hold the pool
         with ThreadPoolExecutor(len(self.servers.urls)) as pool:
             answers = list(pool.map(lambda i: self.dialect.load(
@@ -199,9 +215,13 @@ class RemoteRollout:
                 name = f"remote_weights_{k.removesuffix('_s')}_seconds"
                 phases[name] = max(phases.get(name, 0.0), float(v))
         with self._lock:
-            self._weights = weights
             self._load_s = max(self._load_s, max(seconds for _, seconds in answers))
             self._phases = phases
+
+    def publish(self, weights: Published) -> None:
+        """Stage and activate at once (no step runs in between)."""
+        self.stage(weights)
+        self.activate(weights.version)
 
     def _folders(self, handle) -> list[str]:
         """The folder each server loads: the handle's folder in the precision the server

@@ -20,7 +20,9 @@ from rollwise.rollout.episodes import EpisodeFigures, EpisodeRunner
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scheduler import RolloutScheduler
 from rollwise.rollout.scoring import ScoreAhead, Scorer
-from rollwise.types import EncodedPrompt, Group, Published, Trajectory
+from rollwise.types import EncodedPrompt, Group, Published, Trajectory, WeightSlots
+
+PLACEMENT = "in-process rollout"  # how publication errors name this placement
 
 
 def generate_groups(engine: Engine, prompts: list[EncodedPrompt], params: SamplingParams,
@@ -53,6 +55,7 @@ class RolloutStage:
         self._figures: list[RolloutFigures] = []  # this step's rounds
         self._episode_figures: list[EpisodeFigures] = []
         self._ahead = ScoreAhead(scorer)
+        self.slots = WeightSlots(PLACEMENT, engine.version)  # the publication protocol
 
     @property
     def scorer(self) -> Scorer:
@@ -110,22 +113,33 @@ class RolloutStage:
     def version(self) -> int:
         return self.engine.version
 
-    def prepare(self, weights: Published) -> Published:
-        """A publication to be applied later (the asynchronous driver hands it over): on the
-        trainer's thread, while its tensors hold still, the engine takes its converted copy
-        of them (an engine that owns its weights), carried as the handle to `publish`."""
+    def stage(self, weights: Published) -> None:
+        """On the trainer's thread, while its tensors hold still: an engine that owns its
+        weights takes its converted copy (kept as the staged handle); one that reads or
+        converts the parameters at activation takes nothing. Tokens keep the active
+        version until `activate`."""
+        self.slots.stage(weights, self._take)
+
+    def _take(self, weights: Published) -> Published:
         take = getattr(self.engine, "take", None)
         taken = take() if take is not None else None
         return weights if taken is None else replace(weights, handle=taken)
 
-    def publish(self, weights: Published) -> None:
-        """In one process the engine reads the trainer's tensors (or converts them, when
-        the rollout dtype differs): `weights` carries the version, and the engine's copy
-        when `prepare` took it."""
+    def activate(self, version: int) -> None:
+        """At a step boundary: the engine installs the staged weights (its copy, or the
+        parameters as they are) and later tokens carry `version`."""
+        self.slots.activate(version, self._install)
+
+    def _install(self, weights: Published) -> None:
         if weights.handle is not None:
             self.engine.publish(weights.version, weights.handle)
         else:
             self.engine.publish(weights.version)
+
+    def publish(self, weights: Published) -> None:
+        """Stage and activate at once (no step runs in between)."""
+        self.stage(weights)
+        self.activate(weights.version)
 
     def close(self) -> None:
         """Stop the scoring thread (started again if the stage is used after)."""
