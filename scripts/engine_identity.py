@@ -2,6 +2,9 @@
 
     python scripts/engine_identity.py record /tmp/engine_ref.json   # on the old code
     python scripts/engine_identity.py check /tmp/engine_ref.json    # on the new code
+    python scripts/engine_identity.py record /tmp/engine_int8.json int8   # engine.dtype
+
+The optional third argument is the engine's dtype (float32, the default; bfloat16; int8).
 
 Runs greedy and seeded sampled `generate` (4 prompts x n=4, 48 tokens, seed 7), then the
 same sampled requests through submit/step with divided rollout (`chunk_tokens`), a tight
@@ -37,9 +40,12 @@ def _out(completions, engine) -> dict:
         "stats": {k: getattr(engine.stats, k) for k in COUNTERS}}
 
 
+DTYPE: str | None = None  # the engines' dtype (None: the model's)
+
+
 def _stepped(model, prompts, params, eos, *, budget, chunk, drafter=None, reuse=None):
     engine = NativeEngine(model, kv_budget_tokens=budget, max_num_seqs=16, eos_token_ids=eos,
-                          drafter=drafter, spec_tokens=4, spec_max_batch=6)
+                          drafter=drafter, spec_tokens=4, spec_max_batch=6, dtype=DTYPE)
     one = replace(params, n=1)
     ids = []
     for i, p in enumerate(prompts):
@@ -61,7 +67,8 @@ def _stepped(model, prompts, params, eos, *, budget, chunk, drafter=None, reuse=
 def _static_and_abort(model, prompts, params, eos) -> dict:
     """A static batch (finished rows compute on until the batch ends), then aborts, a
     priority change, a publication and resumes in a continuous batch."""
-    engine = NativeEngine(model, kv_budget_tokens=4096, max_num_seqs=6, eos_token_ids=eos)
+    engine = NativeEngine(model, kv_budget_tokens=4096, max_num_seqs=6, eos_token_ids=eos,
+                          dtype=DTYPE)
     one = replace(params, n=1)
     ids = [engine.submit(p, one, seed=derive_seed(7, j), tag=j) for j, p in enumerate(prompts * 3)]
     done = {}
@@ -94,7 +101,7 @@ def run() -> dict:
     sampled = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=48, seed=7)
     result = {}
     for name, params in (("greedy", greedy), ("sampled", sampled)):
-        engine = NativeEngine(policy.model, eos_token_ids=eos)
+        engine = NativeEngine(policy.model, eos_token_ids=eos, dtype=DTYPE)
         result[name] = _out(engine.generate(prompts, params), engine)
     width = max(map(len, prompts)) + 48 + 1
     result["parked"] = _stepped(policy.model, prompts, sampled, eos, budget=3 * width, chunk=8)
@@ -104,7 +111,7 @@ def run() -> dict:
 
     result["drafted"] = _stepped(policy.model, prompts, sampled, eos, budget=3 * width,
                                  chunk=8, drafter=drafter)
-    ref = NativeEngine(policy.model, eos_token_ids=eos)
+    ref = NativeEngine(policy.model, eos_token_ids=eos, dtype=DTYPE)
     old = ref.generate(prompts, replace(sampled, temperature=0.9))
     result["reused"] = _stepped(policy.model, prompts, sampled, eos, budget=2 * width,
                                 chunk=16, reuse=old)
@@ -114,7 +121,9 @@ def run() -> dict:
 
 
 def main() -> int:
+    global DTYPE
     mode, path = sys.argv[1], sys.argv[2]
+    DTYPE = sys.argv[3] if len(sys.argv) > 3 else None
     got = run()
     if mode == "record":
         with open(path, "w") as f:

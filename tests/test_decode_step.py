@@ -17,6 +17,7 @@ import torch
 from rollwise.engine import NativeEngine, SamplingParams
 from rollwise.engine.decoder import Decoder
 from rollwise.engine.hf import HFEngine
+from rollwise.engine.layers import Layers
 from rollwise.engine.sampling import sample_tokens, uniforms
 from rollwise.engine.step import DecodeStep, row_bucket, sample_on_device
 
@@ -186,10 +187,10 @@ def test_graph_mode_needs_cuda_and_modes_are_checked(tiny_llama) -> None:
 
     cache = KVCache(2, dec.kv_heads, dec.head_dim, dec.dtype, dec.device)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        DecodeStep(dec, cache, "graph")
+        DecodeStep(Layers(dec), cache, "graph")
     with pytest.raises(ValueError, match="not one of"):
-        DecodeStep(dec, cache, "fast")
-    assert DecodeStep(dec, cache, "auto").mode == "eager"
+        DecodeStep(Layers(dec), cache, "fast")
+    assert DecodeStep(Layers(dec), cache, "auto").mode == "eager"
 
 
 def test_cache_growth_is_counted(tiny_llama) -> None:

@@ -25,9 +25,9 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "range", "tensor", "as_
 ALLOWED = {
     ("engine/decoder.py", "_input_ranges"): "fixed pseudo-random calibration tokens, drawn "
     "on the host for determinism and moved to the weights' device before use",
-    ("engine/decoder.py", "prefill_from"): "index and mask plan built on the host from "
+    ("engine/passes.py", "prefill_from"): "index and mask plan built on the host from "
     "Python lists, moved to the device once per call",
-    ("engine/decoder.py", "plan"): "the general chunk pass's plan, built on the host from "
+    ("engine/passes.py", "plan"): "the general chunk pass's plan, built on the host from "
     "Python lists and moved to the device in one place (RowPlan)",
     ("engine/hf.py", "_generate_batch"): "padded prompt ids built on the host, moved to the "
     "model's device for generate",

@@ -89,13 +89,13 @@ def test_long_drafts_are_verified_in_growing_windows(model, spec_max_tokens, wan
     first = NativeEngine(model).generate([prompt], params)[0].token_ids
     engine = NativeEngine(model, spec_max_tokens=spec_max_tokens)
     widths = []
-    plan = engine.decoder.plan
+    plan = engine.passes.plan
 
     def spy(rows, tokens, *rest):
         widths.append(max(map(len, tokens)))
         return plan(rows, tokens, *rest)
 
-    engine.decoder.plan = spy
+    engine.passes.plan = spy
     engine.submit(prompt, params, seed=0, draft=first)
     out = []
     while engine.has_unfinished():

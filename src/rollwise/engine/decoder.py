@@ -1,14 +1,17 @@
-"""The native engine's forward pass for Llama-family decoders (Llama/SmolLM, Qwen2, Qwen3,
-Mistral), reading the transformers model's own parameter tensors.
+"""The native engine's model as it holds it, for Llama-family decoders (Llama/SmolLM, Qwen2,
+Qwen3, Mistral): the architecture's sizes, the rotary tables and the weights, read from the
+transformers model's own parameter tensors (`Decoder`). What computes with them lives
+beside it, one concern per module:
 
-Two passes share the layer code:
+- `layers.py`: the layer computations (norm, q/k/v with rotary, MLP, output logits) and
+  the one layer body every pass runs;
+- `attention.py`: attention over the cache's two regions (a group's prompt, a row's own
+  tokens) and over a prompt while it is prefilled;
+- `passes.py`: the general passes (prompt prefill, chunks of rows);
+- `step.py`: the static-shape decode step, its CUDA graphs and their staging.
 
-- `prefill`: a batch of group prompts (right-padded), causal self-attention, keys and values
-  written to the prefix region of the cache; returns the next-token logits of each prompt.
-- `forward_rows`: a chunk of `c_r` new tokens for each running row (1 when decoding, more
-  when resuming or verifying a draft). A query attends to its group's prompt (one copy for
-  the whole group: queries are regrouped so the product is one matrix multiply per group)
-  and to its own earlier tokens, under one softmax.
+Those modules read the weights through `Decoder.tensor`, `Decoder.linear` and
+`Decoder.linears` only.
 
 When the engine's dtype or device equals the parameters', weights are used in place: an
 optimizer step is visible to the next forward with no transfer. Otherwise `refresh()` keeps
@@ -42,7 +45,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollwise.engine.hf import stream_autocast
-from rollwise.engine.kvcache import KVCache
 from rollwise.engine.projections import Dense, Int8Dense
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -76,49 +78,6 @@ def check_supported(model) -> None:
     rope = getattr(cfg, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
         raise UnsupportedModel(f"native engine: rope scaling '{rope}' is not supported")
-
-
-@dataclass
-class RowPlan:
-    """Everything a `forward_rows` call needs about its rows, built once per call."""
-
-    rows: slice | torch.Tensor  # the cache rows of the B inputs (a slice when contiguous)
-    tokens: torch.Tensor  # [B, C] input ids (right-padded chunks)
-    cos: torch.Tensor  # [B, C, 1, d]
-    sin: torch.Tensor
-    write_rows: torch.Tensor  # [B*C] cache row of each input token
-    write_pos: torch.Tensor  # [B*C] position in the row's own region
-    smax: int  # own-token keys to read
-    gslots: torch.Tensor | None  # prefix slots read, None when they are 0..G-1
-    groups: int  # G
-    nmax: int  # rows per group, padded
-    gpos: torch.Tensor  # [B] index of each row in the [G * nmax] group layout
-    pmax: int  # prefix keys to read
-    mask: torch.Tensor  # [B, 1, rep*C, pmax + smax] additive
-
-    def prefix(self, t: torch.Tensor) -> torch.Tensor:
-        view = t[:, :, : self.pmax]
-        return view[: self.groups] if self.gslots is None else view.index_select(0, self.gslots)
-
-    def to_groups(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, kvH, M, X] row layout -> [G, kvH, nmax*M, X] (absent rows are zero)."""
-        _, h, m, x = t.shape
-        buf = t.new_zeros(self.groups * self.nmax, h, m, x)
-        buf[self.gpos] = t
-        return buf.view(self.groups, self.nmax, h, m, x).transpose(1, 2).reshape(
-            self.groups, h, self.nmax * m, x)
-
-    def to_rows(self, t: torch.Tensor, m: int) -> torch.Tensor:
-        """[G, kvH, nmax*M, X] group layout -> [B, kvH, M, X]."""
-        g, h, _, x = t.shape
-        return t.view(g, h, self.nmax, m, x).transpose(1, 2).reshape(g * self.nmax, h, m, x)[
-            self.gpos]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 @dataclass
@@ -294,176 +253,26 @@ class Decoder:
             record(self.lm_head, (out.last_hidden_state,))
         return {m: x.to(self.device) for m, x in amax.items()}
 
-    def _w(self, m: nn.Module) -> torch.Tensor:
+    # -- reading the weights (the layers' only way in: layers.py) ---------------------------
+
+    def tensor(self, m: nn.Module) -> torch.Tensor:
+        """The weight of a module read as a tensor (embedding, norm gains), converted or in
+        place."""
         return self._tensors.get(m, m.weight) if self.shared else self._tensors[m]
 
-    def _lin(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        """x W^T (+ b) of projection `m`: the converted copy, or the parameters in place."""
         if not self.shared:
             return self._linears[m](x)
         if type(m) is nn.Linear:
             return F.linear(x, self._tensors.get(m, m.weight), m.bias)
         return m(x)  # e.g. a LoRA-wrapped projection: its own forward reads live adapters
 
-    def _lin_many(self, x: torch.Tensor, mods: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    def linears(self, x: torch.Tensor, mods: tuple[nn.Module, ...]) -> list[torch.Tensor]:
         """The projections `mods` of one input: one fused product when converted."""
         if self.shared:
-            return [self._lin(x, m) for m in mods]
+            return [self.linear(x, m) for m in mods]
         return list(self._linears[mods](x).split(self._sizes[mods], -1))
-
-    def _rms(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-        eps = getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6))
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self._w(m), eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * self._w(m)
-
-    def _mlp(self, x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
-        gate, up = self._lin_many(x, (mlp.gate_proj, mlp.up_proj))
-        gate = F.silu(gate) if self.silu else mlp.act_fn(gate)
-        return self._lin(gate * up, mlp.down_proj)
-
-    def _qkv(self, x, layer, cos, sin):
-        a = layer.self_attn
-        b, c, _ = x.shape
-        h = self._rms(x, layer.input_layernorm)
-        q, k, v = self._lin_many(h, (a.q_proj, a.k_proj, a.v_proj))
-        q = q.reshape(b, c, self.heads, self.head_dim)
-        k = k.reshape(b, c, self.kv_heads, self.head_dim)
-        v = v.reshape(b, c, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self._rms(q, a.q_norm), self._rms(k, a.k_norm)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, D] last hidden states -> [N, V] float32 logits."""
-        return self._lin(self._rms(hidden, self.norm), self.lm_head).float()
-
-    # -- passes ----------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: list[int],
-                slot0: int) -> torch.Tensor:
-        """Prompts [g, P] (right-padded) into prefix slots slot0..slot0+g-1; [g, V] logits."""
-        g, p = tokens.shape
-        cos, sin = self.cos[:p][None, :, None], self.sin[:p][None, :, None]
-        x = F.embedding(tokens, self._w(self.embed))
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-            cache.pk[i][slot0: slot0 + g, :, :p] = k
-            cache.pv[i][slot0: slot0 + g, :, :p] = v
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
-                                               scale=self.scale, enable_gqa=self.rep > 1)
-            x = x + self._lin(o.transpose(1, 2).reshape(g, p, -1), layer.self_attn.o_proj)
-            x = x + self._mlp(self._rms(x, layer.post_attention_layernorm), layer.mlp)
-        last = x[torch.arange(g, device=x.device), torch.tensor(lengths, device=x.device) - 1]
-        return self.logits(last)
-
-    @torch.inference_mode()
-    def prefill_from(self, cache: KVCache, slots: list[int], tokens: list[list[int]],
-                     starts: list[int]) -> torch.Tensor:
-        """The rest of g prompts whose first `starts[i]` tokens are already in prefix slot
-        `slots[i]`: `tokens[i]` at positions starts[i].. attend to those and causally to
-        each other, and their keys/values are written after them. One pass; [g, V] logits."""
-        dev = self.device
-        g, w = len(tokens), max(len(t) for t in tokens)
-        ids = torch.zeros(g, w, dtype=torch.long)
-        for r, t in enumerate(tokens):
-            ids[r, : len(t)] = torch.tensor(t)
-        start = torch.tensor(starts)
-        n = torch.tensor([len(t) for t in tokens])
-        pos = start[:, None] + torch.arange(w)  # [g, w]
-        valid = torch.arange(w)[None] < n[:, None]  # [g, w] real tokens, not padding
-        # padding queries attend like their row's last real token (no unwritten keys)
-        pos = torch.minimum(pos, (start + n - 1)[:, None])
-        end = int((start + n).max())
-        mask = (torch.arange(end)[None, None] <= pos[:, :, None])[:, None].to(dev)  # [g,1,w,E]
-        slot_t = torch.tensor(slots)
-        put = (slot_t[:, None].expand(g, w)[valid].to(dev), pos[valid].to(dev))
-        pos, valid = pos.to(dev), valid.to(dev)
-        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]
-        x = F.embedding(ids.to(dev), self._w(self.embed))
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)  # k, v: [g, w, kv_heads, head_dim]
-            cache.pk[i][put[0], :, put[1]] = k[valid]
-            cache.pv[i][put[0], :, put[1]] = v[valid]
-            keys, values = cache.pk[i][slot_t, :, :end], cache.pv[i][slot_t, :, :end]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                               scale=self.scale, enable_gqa=self.rep > 1)
-            x = x + self._lin(o.transpose(1, 2).reshape(g, w, -1), layer.self_attn.o_proj)
-            x = x + self._mlp(self._rms(x, layer.post_attention_layernorm), layer.mlp)
-        return self.logits(x[torch.arange(g, device=dev), (n - 1).to(dev)])
-
-    def plan(self, rows: list[int], tokens: list[list[int]], own: list[int], slots: list[int],
-             prefix_lens: list[int]) -> RowPlan:
-        """Plan a `forward_rows` over cache `rows` with chunks `tokens`, `own[r]` own tokens
-        already cached, prompt in prefix slot `slots[r]` of length `prefix_lens[r]`."""
-        dev = self.device
-        r0 = rows[0]
-        row_sel = (slice(r0, r0 + len(rows)) if rows == list(range(r0, r0 + len(rows)))
-                   else torch.tensor(rows, device=dev))
-        b, c = len(tokens), max(len(t) for t in tokens)
-        ids = torch.zeros(b, c, dtype=torch.long)
-        for r, t in enumerate(tokens):
-            ids[r, : len(t)] = torch.tensor(t)
-        own_t = torch.tensor(own)
-        plen = torch.tensor(prefix_lens)
-        step = torch.arange(c)
-        positions = (plen + own_t)[:, None] + step  # [B, C]
-        positions.clamp_(max=self.max_context - 1)  # padding beyond the context is masked
-        smax = max(o + len(t) for o, t in zip(own, tokens))
-        pmax = max(prefix_lens)
-        # group layout: slot -> group index, and each row's place among its siblings
-        unique = sorted(set(slots))
-        contiguous = unique == list(range(len(unique)))
-        index = {s: i for i, s in enumerate(unique)}
-        seen: dict[int, int] = {}
-        gpos_list = []
-        for s in slots:
-            j = seen.get(s, 0)
-            seen[s] = j + 1
-            gpos_list.append((index[s], j))
-        nmax = max(seen.values())
-        gpos = torch.tensor([g * nmax + j for g, j in gpos_list])
-        ok_pre = torch.arange(pmax)[None, None, :] < plen[:, None, None]  # [B, 1, P]
-        ok_own = torch.arange(smax)[None, None, :] <= (own_t[:, None] + step)[:, :, None]
-        ok = torch.cat([ok_pre.expand(b, c, pmax), ok_own], dim=-1)  # [B, C, P+S]
-        mask = torch.zeros(ok.shape, dtype=self.dtype).masked_fill_(~ok, float("-inf"))
-        mask = mask[:, None, None].expand(b, 1, self.rep, c, pmax + smax).reshape(
-            b, 1, self.rep * c, pmax + smax)
-        return RowPlan(
-            rows=row_sel, tokens=ids.to(dev), cos=self.cos[positions.to(dev)][:, :, None],
-            sin=self.sin[positions.to(dev)][:, :, None],
-            write_rows=torch.tensor(rows).repeat_interleave(c).to(dev),
-            write_pos=(own_t[:, None] + step).reshape(-1).to(dev), smax=smax,
-            gslots=None if contiguous else torch.tensor(unique, device=dev),
-            groups=len(unique), nmax=nmax, gpos=gpos.to(dev), pmax=pmax, mask=mask.to(dev))
-
-    @torch.inference_mode()
-    def forward_rows(self, cache: KVCache, p: RowPlan) -> torch.Tensor:
-        """Run the planned chunks; returns [B, C, D] hidden states (before the final norm)."""
-        x = F.embedding(p.tokens, self._w(self.embed))
-        b, c = p.tokens.shape
-        rows = p.rows
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, p.cos, p.sin)
-            rk, rv = cache.rk[i], cache.rv[i]
-            rk[p.write_rows, :, p.write_pos] = k.reshape(b * c, self.kv_heads, self.head_dim)
-            rv[p.write_rows, :, p.write_pos] = v.reshape(b * c, self.kv_heads, self.head_dim)
-            qh = q.view(b, c, self.kv_heads, self.rep, self.head_dim).permute(0, 2, 3, 1, 4)
-            qh = qh.reshape(b, self.kv_heads, self.rep * c, self.head_dim)
-            m = self.rep * c
-            own_k, own_v = rk[rows, :, : p.smax], rv[rows, :, : p.smax]
-            pre_k, pre_v = p.prefix(cache.pk[i]), p.prefix(cache.pv[i])
-            s_pre = p.to_rows(p.to_groups(qh) @ pre_k.transpose(-1, -2), m)
-            scores = torch.cat([s_pre, qh @ own_k.transpose(-1, -2)], dim=-1)
-            scores = scores.float().mul_(self.scale).add_(p.mask)
-            probs = scores.softmax(-1).to(self.dtype)
-            out = probs[..., p.pmax:] @ own_v
-            out = out + p.to_rows(p.to_groups(probs[..., : p.pmax]) @ pre_v, m)
-            out = out.view(b, self.kv_heads, self.rep, c, self.head_dim).permute(0, 3, 1, 2, 4)
-            x = x + self._lin(out.reshape(b, c, -1), layer.self_attn.o_proj)
-            x = x + self._mlp(self._rms(x, layer.post_attention_layernorm), layer.mlp)
-        return x
 
 
 def _into(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:

@@ -32,6 +32,8 @@ from rollwise.engine.admission import Admission
 from rollwise.engine.base import Drafter, EngineStats, SamplingParams
 from rollwise.engine.decoder import Decoder, Taken
 from rollwise.engine.kvcache import KVCache
+from rollwise.engine.layers import Layers
+from rollwise.engine.passes import Passes
 from rollwise.engine.requests import Group, Request
 from rollwise.engine.sampling import derive_seed, draw, token_stats
 from rollwise.engine.step import DecodeStep
@@ -81,8 +83,11 @@ class NativeEngine:
         self.stats = EngineStats()
         self.admission = Admission(self.cache, self.stats, kv_budget_tokens=kv_budget_tokens,
                                    max_num_seqs=max_num_seqs)
-        self.decode_step = DecodeStep(self.decoder, self.cache, step_mode)
-        self.verifier = _NotingVerifier(self.decoder, self.cache, self.stats, self._emit,
+        layers = Layers(d)
+        self.passes = Passes(layers, self.cache)  # prefill and chunk passes
+        self.decode_step = DecodeStep(layers, self.cache, step_mode, max_rows=max_num_seqs,
+                                      kv_budget_tokens=kv_budget_tokens)
+        self.verifier = _NotingVerifier(self.passes, self.cache, self.stats, self._emit,
                                         spec_tokens=spec_tokens, spec_max_batch=spec_max_batch,
                                         verify_window=spec_max_tokens)
         self.verifier.note = self._note_stats
@@ -321,8 +326,7 @@ class NativeEngine:
             ids = torch.zeros(len(plain), width, dtype=torch.long)
             for i, g in enumerate(plain):
                 ids[i, : len(g.tokens)] = torch.tensor(g.tokens)
-            logits = self.decoder.prefill(self.cache, ids.to(self.decoder.device), lengths,
-                                          plain[0].slot)
+            logits = self.passes.prefill(ids.to(self.decoder.device), lengths, plain[0].slot)
             for g, row in zip(plain, logits):
                 g.logits = row
             self.stats.forward_passes += 1
@@ -335,9 +339,9 @@ class NativeEngine:
                 self.cache.put_prefix(g.slot, g.reuse)
                 starts.append(g.reuse.shape[3])
                 g.reuse = None
-            logits = self.decoder.prefill_from(self.cache, [g.slot for g in kept],
-                                               [g.tokens[n:] for g, n in zip(kept, starts)],
-                                               starts)
+            logits = self.passes.prefill_from([g.slot for g in kept],
+                                              [g.tokens[n:] for g, n in zip(kept, starts)],
+                                              starts)
             for g, row in zip(kept, logits):
                 g.logits = row
             self.stats.forward_passes += 1
@@ -354,11 +358,11 @@ class NativeEngine:
             drawn, logits = self.decode_step(reqs)
         else:
             self.cache.ensure_rows(len(self.admission.rows), max(r.cached for r in reqs) + 1)
-            plan = self.decoder.plan(rows, [[r.tokens[-1]] for r in reqs],
-                                     [r.cached for r in reqs], [r.group.slot for r in reqs],
-                                     [len(r.group.tokens) for r in reqs])
-            hidden = self.decoder.forward_rows(self.cache, plan)[:, -1]
-            drawn, logits = None, self.decoder.logits(hidden)
+            plan = self.passes.plan(rows, [[r.tokens[-1]] for r in reqs],
+                                    [r.cached for r in reqs], [r.group.slot for r in reqs],
+                                    [len(r.group.tokens) for r in reqs])
+            hidden = self.passes.forward_rows(plan)[:, -1]
+            drawn, logits = None, self.passes.logits(hidden)
         for r in reqs:
             r.cached += 1
         self.stats.forward_passes += 1

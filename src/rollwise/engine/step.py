@@ -9,10 +9,11 @@ Python-level per-layer planning:
   length, the row's group for the scatter, its place among the group's rows, its group
   for the gather) and `floats` [2, B] (the row's uniform for its draw and its temperature);
 - positions, rotary factors and the attention mask are computed on the device from those;
-- keys and values are written in place into the preallocated cache (`KVCache`: rows
-  0..B-1, positions `own`), then attention reads fixed-size views of the cache: each row's
-  own keys `[:B, :, :S]` and each group's prompt keys `[:G, :, :P]` once for all its samples
-  (queries scattered into a [G, nmax] group layout, as in `Decoder.forward_rows`);
+- the layers are the one layer body (`Layers.forward`); keys and values are written in
+  place into the preallocated cache (`KVCache`: rows 0..B-1, positions `own`), then the one
+  attention (`attention.attend_regions`, as in the chunk pass) reads fixed-size views of the
+  cache: each row's own keys `[:B, :, :S]` and each group's prompt keys `[:G, :, :P]` once
+  for all its samples;
 - the next token is drawn on the device (greedy or temperature sampling by inverting the
   CDF at the row's counter-based uniform, exactly as `sampling.sample_tokens`), and the
   result comes back as one [2, B] tensor (ids and log-probs): one device-to-host copy.
@@ -20,16 +21,23 @@ Python-level per-layer planning:
 Ways to run it (`DecodeStep.mode`; `padded` and `rows` serve tests and benchmarks):
 - `eager`: the sizes are the exact ones of this step (B rows, the longest prompt and own
   length); nothing is padded, so the arithmetic is that of a plain forward pass;
-- `graph` (CUDA): sizes are bucketed (B up to the next bucket, G/P/S the cache's capacities,
-  nmax to a power of two) and each bucket's function is captured once as a CUDA graph and
-  replayed; padded rows write into unused cache rows at position 0 and are never read;
+- `graph` (CUDA): sizes are bucketed (B up to the next bucket, nmax to a power of two, G/P/S
+  the cache's capacities) and each bucket's function is captured once as a CUDA graph and
+  replayed; padded rows write into unused cache rows at position 0 and are never read.
+  Graphs are keyed by the buckets (`graph_key`: B, nmax, the draw), not by the cache's
+  capacities: the first bucketed step sizes the cache to the engine's limits (`reserve`:
+  a slot per row of the largest bucket, each row's share of the KV budget), so the views
+  a graph reads stay where they are while sequences grow. Only a reallocation (a row past
+  its share, more prompts than rows, a `release`) drops the graphs;
 - `compile` (opt-in, `torch.compile` with inductor, CPU or GPU): the exact-size function
   compiled once with symbolic sizes (no size may be 1, so small ones are padded to 2);
   about a minute of compilation on a 2-core CPU serves every batch.
 
 A captured graph reads the cache tensors and the converted weights at fixed addresses:
 graphs are dropped when the cache is reallocated (`KVCache.epoch`) and converted weights are
-updated in place at publication (`Decoder.refresh`), so replays see new weights.
+updated in place at publication (`Decoder.refresh`), so replays see new weights. On CUDA
+(any mode) the inputs go through pinned host buffers and the result comes back into one
+(`Staging`), so the copies are asynchronous; on a CPU staging does nothing.
 Rows that ask for top-k or top-p truncation, or for per-token statistics (top log-probs,
 entropy), get their logits back and are drawn on the host (`sampling.draw`), as before.
 """
@@ -39,9 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from rollwise.engine.attention import GroupLayout, attend_regions, region_mask
 from rollwise.engine.kvcache import KVCache
+from rollwise.engine.layers import Layers
 from rollwise.engine.sampling import inverse_cdf, uniforms
 
 MODES = ("auto", "eager", "padded", "graph", "compile", "rows")
@@ -58,6 +67,13 @@ class StepShape:
     own: int  # S: own keys read per row
     sample: str  # the draw on the device: "greedy", "plain" (temperature 1 everywhere),
     # "scaled" (per-row temperatures, greedy rows among them), or "" (return the logits)
+
+
+def graph_key(shape: StepShape) -> tuple[int, int, str]:
+    """What a captured graph is looked up by: the batch bucket, the rows-per-group bucket
+    and the draw. The cache's capacities (G, P, S) are not in it: they are those of the
+    cache the graph was captured on, dropped when the cache is reallocated."""
+    return shape.rows, shape.per_group, shape.sample
 
 
 def row_bucket(n: int) -> int:
@@ -91,38 +107,117 @@ def sample_on_device(logits: torch.Tensor, temperature: torch.Tensor, u: torch.T
     return torch.where(greedy, best, sampled), torch.where(greedy, lp_best, lp_sampled)
 
 
+class Staging:
+    """The host side of a step's inputs and result. On CUDA, pinned host buffers per batch
+    bucket, so the host-to-device copies of the inputs are asynchronous (they overlap with
+    the host's work until the replay needs them) and the result comes back by one copy into
+    pinned memory. Elsewhere (a CPU engine) it does nothing: the tensors are used as made."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._host: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._copied = None  # CUDA event: the last copy out of the pinned input buffers
+
+    def inputs(self, ints: torch.Tensor, floats: torch.Tensor,
+               into: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`ints`, `floats` on the device: copied into `into` (a graph's static inputs) when
+        given, else new device tensors."""
+        if not self.pinned:
+            if into is None:
+                return ints.to(self.device), floats.to(self.device)
+            into[0].copy_(ints)
+            into[1].copy_(floats)
+            return into
+        h_ints, h_floats, _ = self._buffers(ints.shape[1])
+        if self._copied is not None:  # the previous step's copies have left these buffers
+            self._copied.synchronize()
+        h_ints.copy_(ints)
+        h_floats.copy_(floats)
+        if into is None:
+            into = (torch.empty_like(h_ints, device=self.device),
+                    torch.empty_like(h_floats, device=self.device))
+        into[0].copy_(h_ints, non_blocking=True)
+        into[1].copy_(h_floats, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record(torch.cuda.current_stream(self.device))
+        return into
+
+    def result(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        """The first `n` columns of the step's [2, B] ids and log-probs, on the host (waits
+        for them). On CUDA the whole (contiguous) result is copied into the bucket's pinned
+        buffer, then the columns are taken from it."""
+        if not self.pinned:
+            return out[:, :n].cpu()
+        host = self._buffers(out.shape[1])[2]
+        host.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host[:, :n].clone()  # the buffer is the next step's
+
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pinned host buffers (on the host on purpose) of a batch bucket: ints, floats,
+        result."""
+        if rows not in self._host:
+            self._host[rows] = (
+                torch.empty(6, rows, dtype=torch.long, device="cpu", pin_memory=True),
+                torch.empty(2, rows, dtype=torch.float64, device="cpu", pin_memory=True),
+                torch.empty(2, rows, dtype=torch.float64, device="cpu", pin_memory=True))
+        return self._host[rows]
+
+
 class DecodeStep:
-    def __init__(self, decoder, cache: KVCache, mode: str = "auto"):
+    def __init__(self, layers: Layers, cache: KVCache, mode: str = "auto", *,
+                 max_rows: int = 128, kv_budget_tokens: int = 65536):
         """`mode`: eager, graph (CUDA graphs; CUDA only), compile (torch.compile), auto
         (graph on CUDA, eager elsewhere), padded (the graph's bucketed shapes run eagerly:
         how the CPU tests check what a graph replays), or rows: no static step, every
-        decode goes through the general chunk pass `Decoder.forward_rows` (the comparison
-        in `bench rollout`)."""
+        decode goes through the general chunk pass `Passes.forward_rows` (the comparison
+        in `bench rollout`). `max_rows`, `kv_budget_tokens`: the engine's limits, which
+        size the cache the bucketed shapes read (`reserve`)."""
         if mode not in MODES:
             raise ValueError(f"decode step mode '{mode}' is not one of {', '.join(MODES)}")
-        cuda = decoder.device.type == "cuda"
+        cuda = layers.device.type == "cuda"
         if mode == "auto":
             mode = "graph" if cuda else "eager"
         if mode == "graph" and not cuda:
             raise ValueError("decode step mode 'graph' needs a CUDA device "
-                             f"(the engine is on {decoder.device})")
-        self.decoder, self.cache, self.mode = decoder, cache, mode
+                             f"(the engine is on {layers.device})")
+        self.layers, self.cache, self.mode = layers, cache, mode
+        self.max_context = layers.decoder.max_context
+        self.max_rows, self.kv_budget_tokens = max_rows, kv_budget_tokens
         self.bucketed = mode in ("padded", "graph")
         # compiled with symbolic sizes: none may be 1, or torch.compile specialises on it
         self.floor = 2 if mode == "compile" else 1
-        self._graphs: dict[StepShape, tuple] = {}
+        self.staging = Staging(layers.device)
+        self._graphs: dict[tuple, tuple] = {}  # graph_key -> (graph, inputs, output)
         self._epoch = -1  # the cache allocation the graphs were captured on
         self._pool = None
         self._compiled = None
         self.captures = 0  # graphs captured so far
         self.calls = 0  # decode steps run through this object
 
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for `rows` rows of `length` own tokens, and for bucketed shapes the cache's
+        fixed maximum: a slot per row of the largest batch bucket in each region, each
+        slot as long as a row's share of the KV budget (at least 64 tokens, at most the
+        model's context). Bucketed shapes read the whole capacity, so it is set once: growth
+        within it moves nothing, and graphs stay valid. A longer row, or more prompts than
+        rows, still grows the cache (by reallocation: its graphs are then captured again)."""
+        if not self.bucketed:
+            self.cache.ensure_rows(rows, length)
+            return
+        slots = max(rows, row_bucket(self.max_rows))
+        share = max(64, min(self.max_context, self.kv_budget_tokens // slots))
+        self.cache.ensure_rows(slots, max(length, share))
+        self.cache.ensure_prefix(slots, share)
+
     # -- the host side: one pass over the rows ---------------------------------------------
 
     def inputs(self, reqs, rows: int) -> tuple[torch.Tensor, torch.Tensor, StepShape]:
         """The step's `ints` [6, rows] and `floats` [2, rows] for requests `reqs` in rows
-        0..len(reqs)-1 (rows beyond are padding), and the exact sizes."""
-        n = len(reqs)
+        0..len(reqs)-1 (rows beyond are padding), and the sizes: the exact ones, or for
+        bucketed shapes the bucket's with the cache's capacities."""
+        n, cache = len(reqs), self.cache
         seen: dict[int, int] = {}
         place = []
         for r in reqs:
@@ -132,22 +227,26 @@ class DecodeStep:
         nmax = max(max(seen.values()), self.floor)
         groups = max(max(seen) + 1, self.floor)
         if self.bucketed:  # the cache's slot capacity, nmax to a power of two
-            nmax, groups = 1 << (nmax - 1).bit_length(), self.cache.pk[0].shape[0]
+            nmax, groups = 1 << (nmax - 1).bit_length(), cache.pk[0].shape[0]
         spare = groups  # the group padded rows scatter into (never read)
         pad = rows - n
         toks = [r.tokens[-1] for r in reqs] + [0] * pad
         own = [r.cached for r in reqs] + [0] * pad
         plen = [len(r.group.tokens) for r in reqs] + [0] * pad
         slots = [r.group.slot for r in reqs]
-        # host tensors on purpose: __call__ copies each to the device once (a graph's inputs)
+        # host tensors on purpose: `Staging` copies each to the device once (a graph's inputs)
         ints = torch.tensor([toks, own, plen, slots + [spare] * pad, place + [0] * pad,
                              slots + [0] * pad], dtype=torch.long)
         u = uniforms([r.seed for r in reqs], [len(r.tokens) for r in reqs])
         temps = torch.tensor([float(r.params.temperature) for r in reqs], dtype=torch.float64)
         floats = torch.ones(2, rows, dtype=torch.float64)
         floats[0, :n], floats[1, :n] = u, temps
-        shape = StepShape(rows, groups, nmax, max(max(plen[:n]), self.floor),
-                          max(max(own[:n]) + 1, self.floor), _sampling(reqs))
+        if self.bucketed:
+            shape = StepShape(rows, groups, nmax, cache.pk[0].shape[2], cache.rk[0].shape[2],
+                              _sampling(reqs))
+        else:
+            shape = StepShape(rows, groups, nmax, max(max(plen[:n]), self.floor),
+                              max(max(own[:n]) + 1, self.floor), _sampling(reqs))
         return ints, floats, shape
 
     def __call__(self, reqs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -157,24 +256,19 @@ class DecodeStep:
         n = len(reqs)
         self.calls += 1
         rows = row_bucket(n) if self.bucketed else max(n, self.floor)
-        cache = self.cache
-        cache.ensure_rows(rows, max(max(r.cached for r in reqs) + 1, self.floor))
+        self.reserve(rows, max(max(r.cached for r in reqs) + 1, self.floor))
         ints, floats, shape = self.inputs(reqs, rows)
-        if self.bucketed:
-            shape = StepShape(rows, shape.groups, shape.per_group, cache.pk[0].shape[2],
-                              cache.rk[0].shape[2], shape.sample)
         if self.mode == "graph" and shape.sample:  # truncated sampling runs uncaptured
             out = self._replay(shape, ints, floats)
         else:
-            dev = self.decoder.device
-            ints, floats = ints.to(dev, non_blocking=True), floats.to(dev, non_blocking=True)
+            ints, floats = self.staging.inputs(ints, floats)
             if self.mode == "compile":
                 out = self._compile()(ints, floats, shape.rows, shape.groups, shape.per_group,
                                       shape.prefix, shape.own, shape.sample)
             else:
                 out = self.run(ints, floats, shape)
         if shape.sample:
-            return out[:, :n].cpu(), None
+            return self.staging.result(out, n), None
         return None, out[:n]
 
     # -- the device side -------------------------------------------------------------------
@@ -182,36 +276,28 @@ class DecodeStep:
     def run(self, ints: torch.Tensor, floats: torch.Tensor, shape: StepShape) -> torch.Tensor:
         """The step function: [2, B] float64 (ids, log-probs), or [B, V] logits when
         `shape.sample` is false. Only device work: no host synchronisation inside."""
-        d, cache = self.decoder, self.cache
+        lay, cache = self.layers, self.cache
         b, g, nmax, p, s = shape.rows, shape.groups, shape.per_group, shape.prefix, shape.own
-        kvh, rep, hd = d.kv_heads, d.rep, d.head_dim
+        kvh, rep, hd = lay.kv_heads, lay.rep, lay.head_dim
         tok, own, plen, put, place, get = ints.unbind(0)
-        pos = (plen + own).clamp(max=d.max_context - 1)
-        cos, sin = d.cos[pos][:, None, None], d.sin[pos][:, None, None]  # [B, 1, 1, hd]
-        keys = torch.arange(p + s, device=ints.device)
-        ok = torch.where(keys < p, keys[None] < plen[:, None], keys[None] - p <= own[:, None])
-        mask = torch.zeros(ok.shape, dtype=torch.float32, device=ints.device).masked_fill_(
-            ~ok, float("-inf"))[:, None, None]  # [B, 1, 1, P+S]
+        pos = (plen + own).clamp(max=self.max_context - 1)
+        cos = lay.decoder.cos[pos][:, None, None]  # [B, 1, 1, hd]
+        sin = lay.decoder.sin[pos][:, None, None]
+        mask = region_mask(plen, own, 1, p, s, rep)  # [B, 1, 1, P+S]
+        layout = GroupLayout(put, get, place, g, nmax)
         rows = torch.arange(b, device=ints.device)
-        x = F.embedding(tok[:, None], d._w(d.embed))  # [B, 1, D]
-        for i, layer in enumerate(d.layers):
-            q, k, v = d._qkv(x, layer, cos, sin)  # [B, 1, heads, hd]
+
+        def attend(i, q, k, v):  # q [B, 1, heads, hd]
             rk, rv = cache.rk[i], cache.rv[i]
             rk[rows, :, own] = k[:, 0]
             rv[rows, :, own] = v[:, 0]
-            q = q.view(b, kvh, rep, hd)
-            pre_k, pre_v = cache.pk[i][:g, :, :p], cache.pv[i][:g, :, :p]
-            s_pre = _from_groups(_to_groups(q, put, place, g, nmax) @ pre_k.transpose(-1, -2),
-                                 get, place, nmax)
-            s_own = q @ rk[:b, :, :s].transpose(-1, -2)  # [B, kvh, rep, S]
-            scores = torch.cat([s_pre, s_own], -1).float().mul_(d.scale).add_(mask)
-            probs = scores.softmax(-1).to(d.dtype)
-            out = probs[..., p:] @ rv[:b, :, :s]
-            out = out + _from_groups(_to_groups(probs[..., :p], put, place, g, nmax) @ pre_v,
-                                     get, place, nmax)
-            x = x + d._lin(out.reshape(b, 1, -1), layer.self_attn.o_proj)
-            x = x + d._mlp(d._rms(x, layer.post_attention_layernorm), layer.mlp)
-        logits = d.logits(x[:, 0])
+            out = attend_regions(q.view(b, kvh, rep, hd), rk[:b, :, :s], rv[:b, :, :s],
+                                 cache.pk[i][:g, :, :p], cache.pv[i][:g, :, :p], layout, mask,
+                                 lay.scale, lay.dtype)
+            return out.reshape(b, 1, -1)
+
+        x = lay.forward(lay.embed(tok[:, None]), cos, sin, attend)  # [B, 1, D]
+        logits = lay.logits(x[:, 0])
         if not shape.sample:
             return logits
         tokens, logprobs = sample_on_device(logits, floats[1], floats[0], shape.sample)
@@ -227,20 +313,20 @@ class DecodeStep:
 
     def _replay(self, shape: StepShape, ints: torch.Tensor, floats: torch.Tensor):
         self._fresh()
-        entry = self._graphs.get(shape)
+        key = graph_key(shape)
+        entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(shape, ints, floats)
-            self._graphs[shape] = entry
-        graph, s_ints, s_floats, out = entry
-        s_ints.copy_(ints, non_blocking=True)
-        s_floats.copy_(floats, non_blocking=True)
+            self._graphs[key] = entry
+        graph, static_in, out = entry
+        self.staging.inputs(ints, floats, into=static_in)
         graph.replay()
         return out
 
     def _capture(self, shape: StepShape, ints: torch.Tensor, floats: torch.Tensor) -> tuple:
         """Capture `run` for `shape` on static input buffers. Warming up runs the real step
         (its cache writes are the same ones the replay makes: idempotent)."""
-        dev = self.decoder.device
+        dev = self.layers.device
         s_ints, s_floats = ints.to(dev), floats.to(dev)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -253,7 +339,7 @@ class DecodeStep:
         with torch.cuda.graph(graph, pool=self._pool), torch.inference_mode():
             out = self.run(s_ints, s_floats, shape)
         self.captures += 1
-        return graph, s_ints, s_floats, out
+        return graph, (s_ints, s_floats), out
 
     def _compile(self):
         """`run` compiled once with symbolic sizes (B, G, nmax, P, S vary without a
@@ -275,21 +361,3 @@ def _sampling(reqs) -> str:
     if temps == {0.0}:
         return "greedy"
     return "plain" if temps == {1.0} else "scaled"
-
-
-def _to_groups(t: torch.Tensor, put: torch.Tensor, place: torch.Tensor, groups: int,
-               nmax: int) -> torch.Tensor:
-    """[B, kvh, rep, X] rows -> [G, kvh, nmax*rep, X] group layout (absent rows are zero):
-    row b goes to group put[b] (G: padding, dropped) at place[b] among its rows. Written
-    straight into the layout, so the result is a view, not a copy."""
-    _, h, rep, x = t.shape
-    buf = t.new_zeros(groups + 1, h, nmax, rep, x)
-    buf[put, :, place] = t
-    return buf[:groups].view(groups, h, nmax * rep, x)
-
-
-def _from_groups(t: torch.Tensor, get: torch.Tensor, place: torch.Tensor,
-                 nmax: int) -> torch.Tensor:
-    """[G, kvh, nmax*rep, X] group layout -> [B, kvh, rep, X] rows: one gather."""
-    g, h, m, x = t.shape
-    return t.view(g, h, nmax, m // nmax, x)[get, :, place]

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 from rollwise.engine.base import Drafter, EngineStats
-from rollwise.engine.decoder import Decoder
 from rollwise.engine.kvcache import KVCache
+from rollwise.engine.passes import Passes
 from rollwise.engine.requests import Request, walk_draft
 from rollwise.engine.sampling import sample_and_score_rows, uniforms
 
@@ -30,7 +30,7 @@ Emit = Callable[[Request, list[int], list[float]], None]
 
 
 class DraftVerifier:
-    def __init__(self, decoder: Decoder, cache: KVCache, stats: EngineStats, emit: Emit, *,
+    def __init__(self, passes: Passes, cache: KVCache, stats: EngineStats, emit: Emit, *,
                  spec_tokens: int = 4, spec_max_batch: int = 8, verify_window: int = 0):
         """`spec_tokens`: the most tokens a drafter proposes per row; `spec_max_batch`: the
         most running rows at which the drafter is always asked; `verify_window`: the most draft
@@ -39,7 +39,7 @@ class DraftVerifier:
         `spec_tokens`: `spec_tokens`, windows that never grow. A pass is as wide as its widest
         row for every row, so on a compute-bound CPU a grown window costs more wall time than
         the passes it saves (docs/rollout.md has the figures)."""
-        self.decoder, self.cache, self.stats, self.emit = decoder, cache, stats, emit
+        self.passes, self.cache, self.stats, self.emit = passes, cache, stats, emit
         self.spec_tokens, self.spec_max_batch = spec_tokens, spec_max_batch
         self.verify_window = max(verify_window, spec_tokens)
         self.merge_share = 0.5  # see `merges`
@@ -92,9 +92,9 @@ class DraftVerifier:
         chunks = [r.tokens[r.cached:] + r.draft[:w] for r, w in zip(reqs, windows)]
         # padded positions of short chunks are written too: room for the widest chunk
         self.cache.ensure_rows(resident, max(r.cached for r in reqs) + max(map(len, chunks)))
-        plan = self.decoder.plan(rows, chunks, [r.cached for r in reqs],
-                                 [r.group.slot for r in reqs], [len(r.group.tokens) for r in reqs])
-        hidden = self.decoder.forward_rows(self.cache, plan)
+        plan = self.passes.plan(rows, chunks, [r.cached for r in reqs],
+                                [r.group.slot for r in reqs], [len(r.group.tokens) for r in reqs])
+        hidden = self.passes.forward_rows(plan)
         self.stats.forward_passes += 1
         self.stats.row_forwards += len(reqs)
         # logits at the last pending token and at every draft token
@@ -105,7 +105,7 @@ class DraftVerifier:
             picks += [(b, first + k) for k in range(w + 1)]
             self.stats.recompute_tokens += first
         ix = torch.tensor(picks, device=hidden.device)
-        logits = self.decoder.logits(hidden[ix[:, 0], ix[:, 1]])
+        logits = self.passes.logits(hidden[ix[:, 0], ix[:, 1]])
         for r in reqs:
             r.cached = len(r.tokens)  # the pending tokens are now cached
         self.accept_rows(reqs, logits, spans)
