@@ -114,7 +114,8 @@ def test_the_drifted_defaults_are_the_values_the_runs_used() -> None:
 @pytest.mark.parametrize("section, settings", [
     ("tree", "rollwise.rollout.trees:TreeSettings"),
     ("judge", "rollwise.rewards.judge:Judge"),
-    ("model.tiny", "rollwise.models.settings:TinySettings")])
+    ("model.tiny", "rollwise.models.settings:TinySettings"),
+    ("sft", "rollwise.learner.sft:SftSettings")])
 def test_a_section_built_from_a_components_settings_is_exactly_its_fields(
         section: str, settings: str) -> None:
     cls = _import(settings)

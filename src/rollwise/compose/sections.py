@@ -4,7 +4,8 @@ help text where it is declared. `config.py` assembles them into `Config` and loa
 Each default is written once. A component whose settings are a section of their own
 declares them (a dataclass whose fields carry default, bounds and help text) and the
 section is built from it with `section_of`: [tree] from `rollout.trees.TreeSettings`,
-[judge] from `rewards.judge.Judge`, [model.tiny] from `models.settings.TinySettings`. A
+[judge] from `rewards.judge.Judge`, [model.tiny] from `models.settings.TinySettings`,
+[sft] from `learner.sft.SftSettings`. A
 component's name list is read, not copied: decode-step modes (`engine.step.MODES`),
 rollout strategies (`rollout.strategy.STRATEGIES`), reuse rules. Engine sizes default to
 `NativeEngine`'s own.
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from rollwise.engine.native import NativeEngine
 from rollwise.engine.step import MODES as DECODE_STEPS
+from rollwise.learner.sft import SftSettings
 from rollwise.models.settings import TinySettings
 from rollwise.rewards.judge import Judge
 from rollwise.rollout.scheduler import REUSE_RULES
@@ -305,22 +307,9 @@ class EpisodesConfig(Section):
         "publication and first under memory pressure).")
 
 
-class SftConfig(Section):
-    """A supervised warm start on chat demonstrations before RL step 0 of a new run (not
-    again on resume); off while `path` is unset (docs/agents.md)."""
-
-    path: str | None = Field(
-        None, description="JSONL of demonstrations, one {\"messages\": [{\"role\", "
-        "\"content\"}, ...]} a line; the assistant turns are learned, tool results are "
-        "role \"tool\" messages.")
-    steps: int = Field(
-        0, ge=0, description="Optimizer steps (0: `epochs` passes over the demonstrations).")
-    epochs: int = Field(1, ge=1, description="Passes over the demonstrations when steps = 0.")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (its own optimizer).")
-    batch_size: int = Field(8, ge=1, description="Demonstrations per optimizer step.")
-    max_tokens: int = Field(
-        1024, ge=2, description="A demonstration's tokens at most; longer ones are cut.")
-    log_every: int = Field(5, ge=1, description="Optimizer steps per 'sft' metrics record.")
+SftConfig = section_of(SftSettings, "A supervised warm start on chat demonstrations before RL "
+                       "step 0 of a new run (not again on resume); off while `path` is unset "
+                       "(learner/sft.py, docs/agents.md).")
 
 
 class RayConfig(Section):

@@ -22,7 +22,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,14 +38,26 @@ class DemonstrationError(ValueError):
 
 @dataclass
 class SftSettings:
-    steps: int = 0  # optimizer steps (0: `epochs` passes)
-    epochs: int = 1
-    lr: float = 1e-4
-    batch_size: int = 8
-    max_tokens: int = 1024
-    log_every: int = 5
-    seed: int = 0
-    bf16_autocast: bool = False
+    """The warm start's settings. The fields with help text are declared here once: the
+    config's [sft] section is built from them (compose/sections.py `section_of`)."""
+
+    path: str | None = field(default=None, metadata={
+        "help": "JSONL of demonstrations, one {\"messages\": [{\"role\", \"content\"}, ...]} "
+        "a line; the assistant turns are learned, tool results are role \"tool\" messages."})
+    steps: int = field(default=0, metadata={
+        "ge": 0, "help": "Optimizer steps (0: `epochs` passes over the demonstrations)."})
+    epochs: int = field(default=1, metadata={
+        "ge": 1, "help": "Passes over the demonstrations when steps = 0."})
+    lr: float = field(default=1e-4, metadata={
+        "gt": 0, "help": "AdamW learning rate (its own optimizer)."})
+    batch_size: int = field(default=8, metadata={
+        "ge": 1, "help": "Demonstrations per optimizer step."})
+    max_tokens: int = field(default=1024, metadata={
+        "ge": 2, "help": "A demonstration's tokens at most; longer ones are cut."})
+    log_every: int = field(default=5, metadata={
+        "ge": 1, "help": "Optimizer steps per 'sft' metrics record."})
+    seed: int = 0  # run.seed
+    bf16_autocast: bool = False  # the learner's precision, settled by compose/precision.py
 
 
 def _check_messages(row: object) -> list[dict]:

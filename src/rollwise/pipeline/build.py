@@ -154,10 +154,8 @@ def _sft(cfg: Config, precision: PrecisionChoice) -> tuple[str, SftSettings] | N
     s = cfg.sft
     if not s.path:
         return None
-    return s.path, SftSettings(
-        steps=s.steps, epochs=s.epochs, lr=s.lr, batch_size=s.batch_size,
-        max_tokens=s.max_tokens, log_every=s.log_every, seed=cfg.run.seed,
-        bf16_autocast=precision.learner == "bf16-autocast")
+    return s.path, SftSettings(**s.model_dump(), seed=cfg.run.seed,
+                               bf16_autocast=precision.learner == "bf16-autocast")
 
 
 def _placement(cfg: Config) -> dict[str, Any]:
