@@ -3,70 +3,40 @@ help text where it is declared. `config.py` assembles them into `Config` and loa
 
 Each default is written once. A component whose settings are a section of their own
 declares them (a dataclass whose fields carry default, bounds and help text) and the
-section is built from it with `section_of`: [tree] from `rollout.trees.TreeSettings`,
-[judge] from `rewards.judge.Judge`, [model.tiny] from `models.settings.TinySettings`,
-[sft] from `learner.sft.SftSettings`. A
-component's name list is read, not copied: decode-step modes (`engine.step.MODES`),
-rollout strategies (`rollout.strategy.STRATEGIES`), reuse rules. Engine sizes default to
-`NativeEngine`'s own.
+section is built from it (compose/schema.py `section_of`): [tree] from
+`rollout.trees.TreeSettings`, [judge] from `rewards.judge.Judge`, [model.tiny] from
+`models.settings.TinySettings`, [sft] from `learner.sft.SftSettings`. A default that a
+component's constructor also holds is read from it (`default_of`: engine sizes from
+`NativeEngine`, the strategy and speculation from `RolloutScheduler`, the learner's from
+`Learner`, ...), and a name list is read, not copied: decode-step modes, rollout
+strategies, reuse rules, remote server kinds, optimizers. `tests/test_config_defaults.py`
+holds the two to each other.
 
 Imports pydantic and the settings and name lists of the components it configures.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import os
-import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import Field, field_validator
 
+from rollwise.compose.schema import Section, default_of, section_of
+from rollwise.control import Controller, PosteriorBook
 from rollwise.engine.native import NativeEngine
 from rollwise.engine.step import MODES as DECODE_STEPS
+from rollwise.learner import Learner
+from rollwise.learner.optim import OPTIMIZERS
 from rollwise.learner.sft import SftSettings
 from rollwise.models.settings import TinySettings
 from rollwise.rewards.judge import Judge
-from rollwise.rollout.scheduler import REUSE_RULES
+from rollwise.rollout.dialects import KINDS as REMOTE_KINDS
+from rollwise.rollout.episodes import EpisodeRunner
+from rollwise.rollout.remote import RemoteRollout
+from rollwise.rollout.scheduler import REUSE_RULES, RolloutScheduler
 from rollwise.rollout.strategy import STRATEGIES
 from rollwise.rollout.trees import TreeSettings
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def section_of(settings: type, doc: str, checks: bool = False) -> type[Section]:
-    """A config section built from a component's settings dataclass: one key per field
-    that carries help text (`metadata["help"]`), with its type, default and bounds (the
-    rest of its metadata: ge, gt, le, lt, min_length). `checks`: a validated section is
-    also passed through the dataclass once, so the component's own checks (`__post_init__`)
-    run at load time, naming the key (for settings that are always built, unlike a judge's,
-    which only a run that names it builds)."""
-    hints = typing.get_type_hints(settings)
-    keys: dict[str, Any] = {}
-    for f in dataclasses.fields(settings):
-        if "help" not in f.metadata:
-            continue
-        bounds = {k: v for k, v in f.metadata.items() if k != "help"}
-        default = ({"default_factory": f.default_factory}
-                   if f.default_factory is not dataclasses.MISSING else {"default": f.default})
-        keys[f.name] = (hints[f.name], Field(**default, description=f.metadata["help"],
-                                             **bounds))
-
-    def component_checks(section):
-        settings(**{k: getattr(section, k) for k in keys})
-        return section
-
-    validators = {"component_checks": model_validator(mode="after")(component_checks)}
-    return create_model(f"{settings.__name__}Section", __base__=Section, __doc__=doc,
-                        __validators__=validators if checks else None, **keys)
-
-
-def _default_of(function, name: str) -> Any:
-    """A component's own default for its argument `name` (the one place it is written)."""
-    return inspect.signature(function).parameters[name].default
 
 
 class RunConfig(Section):
@@ -181,16 +151,16 @@ class EngineConfig(Section):
         "(inference servers in other processes, engine.remote_urls; docs/remote.md), or a "
         "factory of your own as \"package.module:function\" (docs/extending.md).")
     kv_budget_tokens: int = Field(
-        _default_of(NativeEngine, "kv_budget_tokens"), ge=1, description="Native engine: "
+        default_of(NativeEngine, "kv_budget_tokens"), ge=1, description="Native engine: "
         "tokens its KV cache may hold (requests beyond it wait or are preempted and recomputed).")
     decode_step: Literal[DECODE_STEPS] = Field(
-        _default_of(NativeEngine, "step_mode"), description="Native engine: how a decode "
+        default_of(NativeEngine, "step_mode"), description="Native engine: how a decode "
         "step runs (docs/gpu.md): 'auto' (CUDA graphs on a GPU, eager on a CPU), 'eager', "
         "'graph' (CUDA graphs per batch bucket), 'compile' (torch.compile; minutes of "
         "compilation on a CPU), 'padded' (the graph's shapes, eagerly), 'rows' (the "
         "general chunk pass).")
     batch_size: int = Field(
-        _default_of(NativeEngine, "max_num_seqs"), ge=1, description="Sequences decoded at "
+        default_of(NativeEngine, "max_num_seqs"), ge=1, description="Sequences decoded at "
         "once (native: max concurrent; hf: per call).")
     dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
         "auto", description="Native engine precision: 'auto' (chosen for this machine by a "
@@ -204,15 +174,15 @@ class EngineConfig(Section):
         "inference servers rollouts are sent to (`rollwise serve`, or those of "
         "engine.remote_kind), e.g. ['http://127.0.0.1:8001']; a step's prompts are spread "
         "over them.")
-    remote_kind: Literal["rollwise", "vllm", "sglang"] = Field(
-        "rollwise", description="engine.name='remote': what the servers are, so which "
-        "requests they are sent: 'rollwise' (`rollwise serve`), 'vllm' (vLLM's OpenAI server "
-        "in development mode with rollwise's worker extension) or 'sglang' (SGLang's native "
-        "server); the routes and versions each follows are in docs/remote.md.")
+    remote_kind: Literal[REMOTE_KINDS] = Field(
+        default_of(RemoteRollout, "kind"), description="engine.name='remote': what the servers "
+        "are, so which requests they are sent: 'rollwise' (`rollwise serve`), 'vllm' (vLLM's "
+        "OpenAI server in development mode with rollwise's worker extension) or 'sglang' "
+        "(SGLang's native server); the routes and versions each follows are in docs/remote.md.")
     remote_sync: Literal["pause", "abort"] = Field(
-        "pause", description="engine.name='remote': how a server takes new weights: 'pause' "
-        "(requests in flight wait, then continue with the new weights) or 'abort' (they "
-        "stop and are resumed by whoever sent them).")
+        default_of(RemoteRollout, "sync"), description="engine.name='remote': how a server takes "
+        "new weights: 'pause' (requests in flight wait, then continue with the new weights) or "
+        "'abort' (they stop and are resumed by whoever sent them).")
     remote_timeout_s: float = Field(
         120.0, gt=0, description="engine.name='remote': the longest one request (a group's "
         "generation, a weight update) may take before the run stops with an error.")
@@ -231,23 +201,26 @@ class ScheduleConfig(Section):
     step (the strategy); docs/rollout.md, docs/scaling.md."""
 
     strategy: Literal[tuple(STRATEGIES)] = Field(
-        "continuous", description="Rollout schedule (docs/rollout.md): 'sync' (one static "
-        "batch), 'continuous' (continuous batching), 'partial' (APRIL: over-provision, keep "
-        "unfinished responses for the next step), 'context' (Seer: probes first, then "
-        "longest-predicted-first, in chunks), 'partial+context'. Native engine only, except "
-        "'sync' and 'continuous'.")
+        default_of(RolloutScheduler, "strategy"), description="Rollout schedule "
+        "(docs/rollout.md): 'sync' (one static batch), 'continuous' (continuous batching), "
+        "'partial' (APRIL: over-provision, keep unfinished responses for the next step), "
+        "'context' (Seer: probes first, then longest-predicted-first, in chunks), "
+        "'partial+context'. Native engine only, except 'sync' and 'continuous'.")
     over_provision: float = Field(
-        2.0, ge=1, description="partial: groups started per step, as a multiple of the target.")
+        default_of(RolloutScheduler, "over_provision"), ge=1, description="partial: groups "
+        "started per step, as a multiple of the target.")
     chunk_tokens: int = Field(
-        16, ge=1, description="context: tokens a request decodes before it is re-queued.")
+        default_of(RolloutScheduler, "chunk_tokens"), ge=1, description="context: tokens a "
+        "request decodes before it is re-queued.")
     mode: Literal["sync", "async"] = Field(
         "sync", description="'sync' (roll out, then train) or 'async' (the rollouts of the "
         "next max_staleness steps are generated while a step trains; docs/scaling.md).")
     max_staleness: int = Field(
-        4, ge=0, description="How many policy versions the oldest token of a trained "
-        "trajectory may lag behind the learner. Bounds the async driver (rollouts start at "
-        "most this many versions ahead; 0: synchronous training exactly) and the partial "
-        "pool (a pooled response begun longer ago starts over, counted as stale_dropped).")
+        default_of(RolloutScheduler, "max_staleness"), ge=0, description="How many policy "
+        "versions the oldest token of a trained trajectory may lag behind the learner. Bounds the "
+        "async driver (rollouts start at most this many versions ahead; 0: synchronous training "
+        "exactly) and the partial pool (a pooled response begun longer ago starts over, counted "
+        "as stale_dropped).")
     stale_policy: Literal["drop", "regenerate"] = Field(
         "drop", description="mode 'async': a group with a trajectory beyond max_staleness is "
         "dropped, or rolled out again with the current weights (counted either way).")
@@ -258,25 +231,29 @@ class SpeculationConfig(Section):
     engine, single-turn tasks; docs/rollout.md)."""
 
     group: bool = Field(
-        False, description="Seer's grouped speculative decoding: drafts from sibling "
-        "responses, verified exactly (the output distribution is the policy's).")
+        default_of(RolloutScheduler, "spec_group"), description="Seer's grouped speculative "
+        "decoding: drafts from sibling responses, verified exactly (the output distribution is "
+        "the policy's).")
     reuse: bool = Field(
-        False, description="SPEC-RL: a prompt seen in an earlier epoch drafts from its "
-        "previous responses; generation resumes at the first rejected token.")
-    tokens: int = Field(_default_of(NativeEngine, "spec_tokens"), ge=1,
+        default_of(RolloutScheduler, "spec_reuse"), description="SPEC-RL: a prompt seen in an "
+        "earlier epoch drafts from its previous responses; generation resumes at the first "
+        "rejected token.")
+    tokens: int = Field(default_of(NativeEngine, "spec_tokens"), ge=1,
                         description="Draft tokens verified per forward pass.")
     max_tokens: int = Field(
-        _default_of(NativeEngine, "spec_max_tokens"), ge=0, description="reuse: a long "
+        default_of(NativeEngine, "spec_max_tokens"), ge=0, description="reuse: a long "
         "reused draft's verification window doubles while accepted, from tokens up to this "
         "(0 or below tokens: no growth). Growth saves forward passes but widens every row "
         "of the pass: slower on a CPU, see docs/rollout.md.")
     reuse_rule: Literal[REUSE_RULES] = Field(
-        "exact", description="reuse acceptance: 'exact' (speculative sampling, lossless), "
-        "'coupled' (exact, each sample keeps its seed across epochs: lossless per step, far "
-        "more reuse) or 'spec-rl' (SPEC-RL's lenient ratio rule, see lenience).")
+        default_of(RolloutScheduler, "reuse_rule"), description="reuse acceptance: 'exact' "
+        "(speculative sampling, lossless), 'coupled' (exact, each sample keeps its seed across "
+        "epochs: lossless per step, far more reuse) or 'spec-rl' (SPEC-RL's lenient ratio rule, "
+        "see lenience).")
     lenience: float = Field(
-        1.0, ge=1, description="spec-rl rule: accept a draft token when "
-        "min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra acceptance).")
+        default_of(RolloutScheduler, "lenience"), ge=1, description="spec-rl rule: accept a "
+        "draft token when min(1, lenience * p_new / p_old) exceeds a uniform draw (1: no extra "
+        "acceptance).")
 
 
 TreeConfig = section_of(TreeSettings, "Tree rollouts inside a response (rollout/trees.py, "
@@ -288,23 +265,24 @@ class EpisodesConfig(Section):
     docs/agents.md)."""
 
     max_turns: int = Field(
-        4, ge=1, description="Policy turns per episode at most (rollout.max_tokens is each "
-        "turn's budget).")
+        default_of(EpisodeRunner, "max_turns"), ge=1, description="Policy turns per episode at "
+        "most (rollout.max_tokens is each turn's budget).")
     max_tokens: int = Field(
         1024, ge=2, description="An episode's prompt + turns + observations at most; an "
         "episode that would exceed it ends.")
     env_timeout_s: float = Field(
-        10.0, gt=0, description="Time limit of one env step; an env that overruns it (or "
-        "raises) ends its episode with reward 0 and the error recorded.")
+        default_of(EpisodeRunner, "env_timeout_s"), gt=0, description="Time limit of one env "
+        "step; an env that overruns it (or raises) ends its episode with reward 0 and the error "
+        "recorded.")
     tree_branches: int = Field(
         1, ge=1, description="Tree rollouts (Tree-GRPO): each episode forks into this many "
         "after each of the first tree_depth turns (1: no tree); rollout.group_size must be a "
         "multiple of tree_branches ** tree_depth.")
     tree_depth: int = Field(1, ge=1, description="Tree rollouts: turns after which to fork.")
     keep_kv: bool = Field(
-        True, description="The engine keeps each episode's keys/values between its turns, so "
-        "a turn computes only the observation it adds, not the history (dropped at each "
-        "publication and first under memory pressure).")
+        default_of(EpisodeRunner, "keep_kv"), description="The engine keeps each episode's "
+        "keys/values between its turns, so a turn computes only the observation it adds, not the "
+        "history (dropped at each publication and first under memory pressure).")
 
 
 SftConfig = section_of(SftSettings, "A supervised warm start on chat demonstrations before RL "
@@ -346,11 +324,16 @@ class AlgorithmConfig(Section):
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="How token losses are averaged."
     )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (0: not computed).")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty weight (0: no reference model).")
+    entropy_coef: float = Field(
+        default_of(Learner, "entropy_coef"), ge=0, description="Entropy bonus weight (0: not "
+        "computed).")
+    kl_coef: float = Field(
+        default_of(Learner, "kl_coef"), ge=0, description="KL penalty weight (0: no reference "
+        "model).")
     kl_estimator: str = Field("k3", description="KL estimator: k1, k2 or k3.")
     kl_in_reward: bool = Field(
-        False, description="Put the KL penalty in the reward (per token) instead of the loss.")
+        default_of(Learner, "kl_in_reward"), description="Put the KL penalty in the reward (per "
+        "token) instead of the loss.")
     correction: str = Field(
         "auto", description="Off-policy correction of the learner vs engine log-probs: auto "
         "(tis when the rollout precision differs from the learner's, else none), none, tis, "
@@ -369,65 +352,70 @@ class AlgorithmConfig(Section):
 
 class LearnerConfig(Section):
     lr: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate (at most 1).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    weight_decay: float = Field(
+        default_of(Learner, "weight_decay"), ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default_of(Learner, "betas"), description="AdamW betas.")
+    warmup_steps: int = Field(
+        default_of(Learner, "warmup_steps"), ge=0, description="Linear learning-rate warm-up "
+        "steps.")
     lr_schedule: Literal["constant", "linear"] = Field(
-        "constant", description="After warm-up: constant, or linear decay to 0 at the last step."
-    )
-    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
+        default_of(Learner, "lr_schedule"), description="After warm-up: constant, or linear "
+        "decay to 0 at the last step.")
+    grad_clip: float = Field(
+        default_of(Learner, "grad_clip"), ge=0, description="Gradient-norm clip (0: off).")
     micro_batch_tokens: int = Field(
-        4096, ge=1, description="Padded tokens per micro-batch (bounds activation memory)."
-    )
+        default_of(Learner, "micro_batch_tokens"), ge=1, description="Padded tokens per "
+        "micro-batch (bounds activation memory).")
     logprob_chunk: int = Field(
-        1024, ge=1, description="Response tokens per chunk of the output-layer log-prob."
-    )
+        default_of(Learner, "logprob_chunk"), ge=1, description="Response tokens per chunk of "
+        "the output-layer log-prob.")
     precision: Literal["auto", "float32", "bf16-autocast"] = Field(
         "auto", description="Learner compute: 'auto' (bf16-autocast where bfloat16 is native "
         "and faster on this machine, else float32), 'float32', or 'bf16-autocast' (bfloat16 "
         "products, float32 master weights).")
-    ppo_epochs: int = Field(1, ge=1, description="Updates per rollout batch.")
+    ppo_epochs: int = Field(
+        default_of(Learner, "ppo_epochs"), ge=1, description="Updates per rollout batch.")
     share_prompts: bool = Field(
-        True, description="Rows of a micro-batch with the same prompt (a group's samples) run "
-        "it once: the same log-probs and gradients from groups x P + N x R tokens instead of "
-        "N x (P + R).")
+        default_of(Learner, "share_prompts"), description="Rows of a micro-batch with the same "
+        "prompt (a group's samples) run it once: the same log-probs and gradients from groups x P "
+        "+ N x R tokens instead of N x (P + R).")
     skip_zero_advantage: bool = Field(
-        True, description="Run no forward/backward for rows whose advantage is 0 when the loss "
-        "declares they add nothing (PPO, GSPO, CISPO with kl_coef and entropy_coef 0 in the "
-        "loss): the same update, faster.")
+        default_of(Learner, "skip_zero_advantage"), description="Run no forward/backward for "
+        "rows whose advantage is 0 when the loss declares they add nothing (PPO, GSPO, CISPO with "
+        "kl_coef and entropy_coef 0 in the loss): the same update, faster.")
     activation_checkpointing: bool = Field(
-        False, description="Keep only each decoder layer's input and recompute the rest in "
-        "the backward pass: much less activation memory, more learner time (prompts are then "
-        "not shared; 1.6-2x on the quickstart).")
+        default_of(Learner, "activation_checkpointing"), description="Keep only each decoder "
+        "layer's input and recompute the rest in the backward pass: much less activation memory, "
+        "more learner time (prompts are then not shared; 1.6-2x on the quickstart).")
     memory_budget_mb: float = Field(
-        0.0, ge=0, description="MiB the update's activations may take beyond the weights, "
-        "gradients and optimizer state: micro_batch_tokens and logprob_chunk shrink to fit "
-        "(an estimate from the model's shape, docs/performance.md; 0: no budget).")
-    optimizer: Literal["adamw", "adamw-fused", "adamw8bit", "adamw4bit", "adamw-fp8",
-                       "adamw-bf16"] = Field(
-        "adamw", description="'adamw' (torch's AdamW, default implementation), "
-        "'adamw-fused' (its fused kernel: faster steps, float32 rounding apart), or "
-        "torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
+        default_of(Learner, "memory_budget_mb"), ge=0, description="MiB the update's activations "
+        "may take beyond the weights, gradients and optimizer state: micro_batch_tokens and "
+        "logprob_chunk shrink to fit (an estimate from the model's shape, docs/performance.md; 0: "
+        "no budget).")
+    optimizer: Literal[OPTIMIZERS] = Field(
+        default_of(Learner, "optimizer"), description="'adamw' (torch's AdamW, default "
+        "implementation), 'adamw-fused' (its fused kernel: faster steps, float32 rounding apart), "
+        "or torchao's AdamW with 8-bit, 4-bit or float8 moments (pip install torchao): 2 or 1 "
         "bytes a parameter instead of 8 for the moments, slower steps on a CPU "
-        "(docs/performance.md, Memory), or 'adamw-bf16' (bfloat16 moments written with "
-        "stochastic rounding: 4 bytes instead of 8).")
+        "(docs/performance.md, Memory), or 'adamw-bf16' (bfloat16 moments written with stochastic "
+        "rounding: 4 bytes instead of 8).")
     master_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="The trained weights' dtype. 'bfloat16': the model is loaded "
-        "in bfloat16, weights and gradients take half the memory, the optimizer writes them "
-        "with stochastic rounding, the learner computes in bfloat16 and a bfloat16 engine "
-        "reads the weights in place (no copy; docs/performance.md, Memory).")
+        default_of(Learner, "master_dtype"), description="The trained weights' dtype. "
+        "'bfloat16': the model is loaded in bfloat16, weights and gradients take half the memory, "
+        "the optimizer writes them with stochastic rounding, the learner computes in bfloat16 and "
+        "a bfloat16 engine reads the weights in place (no copy; docs/performance.md, Memory).")
     master_rounding: Literal["stochastic", "compensated"] = Field(
-        "stochastic", description="How bfloat16 master weights take an update: "
-        "'stochastic' (right on average, noisy when updates are far below a bfloat16 step) "
-        "or 'compensated' (an int8 residual a weight keeps the bits bfloat16 drops: one more "
-        "byte a parameter, updates as float32's to 16 significant bits; lower quickstart "
-        "accuracy than 'stochastic' here, docs/performance.md, Memory). Only with "
-        "master_dtype 'bfloat16' and the optimizers adamw, adamw-fused, adamw-bf16.")
+        default_of(Learner, "master_rounding"), description="How bfloat16 master weights take an "
+        "update: 'stochastic' (right on average, noisy when updates are far below a bfloat16 "
+        "step) or 'compensated' (an int8 residual a weight keeps the bits bfloat16 drops: one "
+        "more byte a parameter, updates as float32's to 16 significant bits; lower quickstart "
+        "accuracy than 'stochastic' here, docs/performance.md, Memory). Only with master_dtype "
+        "'bfloat16' and the optimizers adamw, adamw-fused, adamw-bf16.")
     release_memory: bool = Field(
-        False, description="Free the gradients after each optimizer step and give the "
-        "memory an update freed back to the system (glibc malloc_trim): the resident set "
-        "stays near the live tensors instead of growing over steps (docs/performance.md, "
-        "Memory); pages are faulted in again.")
+        default_of(Learner, "release_memory"), description="Free the gradients after each "
+        "optimizer step and give the memory an update freed back to the system (glibc "
+        "malloc_trim): the resident set stays near the live tensors instead of growing over steps "
+        "(docs/performance.md, Memory); pages are faulted in again.")
 
 
 class EvalConfig(Section):
@@ -459,16 +447,21 @@ class ControlConfig(Section):
         "constructor by name, e.g. { max_rounds = 4 } for dynamic (docs/allocation.md lists "
         "each allocator's).")
     explore: float = Field(
-        0.125, ge=0, le=1, description="Exploration floor: share of each step's prompt slots "
-        "filled from a uniform stream (thompson, vcrl), so no prompt starves.")
+        default_of(Controller, "explore"), ge=0, le=1, description="Exploration floor: share of "
+        "each step's prompt slots filled from a uniform stream (thompson, vcrl), so no prompt "
+        "starves.")
     prior: tuple[float, float] = Field(
-        (1.0, 1.0), description="Beta prior (alpha0, beta0) of each prompt's success rate.")
+        default_of(PosteriorBook, "prior"), description="Beta prior (alpha0, beta0) of each "
+        "prompt's success rate.")
     decay_fast: float = Field(
-        0.99, gt=0, le=1, description="Per-step pull of every posterior toward the prior.")
+        default_of(PosteriorBook, "decay_fast"), gt=0, le=1, description="Per-step pull of every "
+        "posterior toward the prior.")
     decay_slow: float = Field(
-        0.9, gt=0, le=1, description="Extra per-step pull once a prompt is unseen for "
-        "stale_after steps.")
-    stale_after: int = Field(50, ge=0, description="Steps unseen before decay_slow applies.")
+        default_of(PosteriorBook, "decay_slow"), gt=0, le=1, description="Extra per-step pull "
+        "once a prompt is unseen for stale_after steps.")
+    stale_after: int = Field(
+        default_of(PosteriorBook, "stale_after"), ge=0, description="Steps unseen before "
+        "decay_slow applies.")
 
 
 class HealthConfig(Section):
