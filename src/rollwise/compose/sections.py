@@ -33,7 +33,6 @@ from rollwise.models.settings import TinySettings
 from rollwise.rewards.judge import Judge
 from rollwise.rollout.dialects import KINDS as REMOTE_KINDS
 from rollwise.rollout.episodes import EpisodeRunner
-from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.scheduler import REUSE_RULES, RolloutScheduler
 from rollwise.rollout.strategy import STRATEGIES
 from rollwise.rollout.trees import TreeSettings
@@ -175,14 +174,14 @@ class EngineConfig(Section):
         "engine.remote_kind), e.g. ['http://127.0.0.1:8001']; a step's prompts are spread "
         "over them.")
     remote_kind: Literal[REMOTE_KINDS] = Field(
-        default_of(RemoteRollout, "kind"), description="engine.name='remote': what the servers "
-        "are, so which requests they are sent: 'rollwise' (`rollwise serve`), 'vllm' (vLLM's "
-        "OpenAI server in development mode with rollwise's worker extension) or 'sglang' "
-        "(SGLang's native server); the routes and versions each follows are in docs/remote.md.")
+        "rollwise", description="engine.name='remote': what the servers are, so which "
+        "requests they are sent: 'rollwise' (`rollwise serve`), 'vllm' (vLLM's OpenAI server "
+        "in development mode with rollwise's worker extension) or 'sglang' (SGLang's native "
+        "server); the routes and versions each follows are in docs/remote.md.")
     remote_sync: Literal["pause", "abort"] = Field(
-        default_of(RemoteRollout, "sync"), description="engine.name='remote': how a server takes "
-        "new weights: 'pause' (requests in flight wait, then continue with the new weights) or "
-        "'abort' (they stop and are resumed by whoever sent them).")
+        "pause", description="engine.name='remote': how a server takes new weights: 'pause' "
+        "(requests in flight wait, then continue with the new weights) or 'abort' (they "
+        "stop and are resumed by whoever sent them).")
     remote_timeout_s: float = Field(
         120.0, gt=0, description="engine.name='remote': the longest one request (a group's "
         "generation, a weight update) may take before the run stops with an error.")
