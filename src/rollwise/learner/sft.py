@@ -39,7 +39,7 @@ class DemonstrationError(ValueError):
 @dataclass
 class SftSettings:
     """The warm start's settings. The fields with help text are declared here once: the
-    config's [sft] section is built from them (compose/sections.py `section_of`)."""
+    config's [sft] section is built from them (compose/schema.py `section_of`)."""
 
     path: str | None = field(default=None, metadata={
         "help": "JSONL of demonstrations, one {\"messages\": [{\"role\", \"content\"}, ...]} "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class TinySettings:
     """The tiny model's architecture and warm start: each field's default, bounds and help
     text are declared here once, and the config's [model.tiny] section is built from them
-    (compose/sections.py `section_of`)."""
+    (compose/schema.py `section_of`)."""
 
     hidden: int = field(default=128, metadata={
         "ge": 1, "help": "Hidden size of the built-in tiny Llama model."})

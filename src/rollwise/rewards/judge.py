@@ -48,7 +48,7 @@ def question_of(sample: Sample) -> str:
 class Judge:
     """A callable verifier `(completion, sample) -> score in [0, 1]` backed by an endpoint.
     The fields with help text are its settings, declared here once: the config's [judge]
-    section is built from them (compose/sections.py `section_of`)."""
+    section is built from them (compose/schema.py `section_of`)."""
 
     base_url: str = field(default="", metadata={
         "help": "Endpoint, e.g. 'http://127.0.0.1:8000/v1'."})

@@ -54,7 +54,7 @@ _FORK_STREAM = 7919  # a group's j-th fork seed: derive_seed(its first seed, _FO
 @dataclass(frozen=True)
 class TreeSettings:
     """The tree settings: each field's default, bounds and help text are declared here once,
-    and the config's [tree] section is built from them (compose/sections.py `section_of`)."""
+    and the config's [tree] section is built from them (compose/schema.py `section_of`)."""
 
     mode: Literal[MODES] = field(default="none", metadata={"help": (
         "Tree rollouts inside a response (docs/rollout.md): 'latr' (greedy branches fork "
