@@ -129,9 +129,12 @@ def test_a_section_built_from_a_components_settings_is_exactly_its_fields(
 
 def test_name_lists_are_read_from_their_registries() -> None:
     from rollwise.engine.step import MODES
+    from rollwise.learner.optim import OPTIMIZERS
+    from rollwise.rollout.dialects import KINDS
     from rollwise.rollout.scheduler import REUSE_RULES
     from rollwise.rollout.strategy import STRATEGIES
     from rollwise.rollout.trees import MODES as TREE_MODES
+    from rollwise.system.runtime import ALLOCATORS
 
     def names(section: str, key: str) -> tuple:
         return typing.get_args(type(_get(Config(), section)).model_fields[key].annotation)
@@ -140,6 +143,9 @@ def test_name_lists_are_read_from_their_registries() -> None:
     assert names("schedule", "strategy") == tuple(STRATEGIES)
     assert names("speculation", "reuse_rule") == REUSE_RULES
     assert names("tree", "mode") == TREE_MODES
+    assert names("learner", "optimizer") == OPTIMIZERS
+    assert names("engine", "remote_kind") == KINDS
+    assert names("run", "allocator") == ALLOCATORS
     with pytest.raises(ConfigError, match="schedule.strategy"):
         load_config(None, ["schedule.strategy='greedy'"])
 

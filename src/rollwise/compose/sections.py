@@ -9,8 +9,8 @@ section is built from it (compose/schema.py `section_of`): [tree] from
 component's constructor also holds is read from it (`default_of`: engine sizes from
 `NativeEngine`, the strategy and speculation from `RolloutScheduler`, the learner's from
 `Learner`, ...), and a name list is read, not copied: decode-step modes, rollout
-strategies, reuse rules, remote server kinds, optimizers. `tests/test_config_defaults.py`
-holds the two to each other.
+strategies, reuse rules, remote server kinds, optimizers, C allocators.
+`tests/test_config_defaults.py` holds the two to each other.
 
 Imports pydantic and the settings and name lists of the components it configures.
 """
@@ -36,6 +36,7 @@ from rollwise.rollout.episodes import EpisodeRunner
 from rollwise.rollout.scheduler import REUSE_RULES, RolloutScheduler
 from rollwise.rollout.strategy import STRATEGIES
 from rollwise.rollout.trees import TreeSettings
+from rollwise.system.runtime import ALLOCATORS
 
 
 class RunConfig(Section):
@@ -57,7 +58,7 @@ class RunConfig(Section):
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1'.")
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: the cores not busy with "
                          "other work at start).")
-    allocator: Literal["reuse", "jemalloc", "compact"] = Field(
+    allocator: Literal[ALLOCATORS] = Field(
         "reuse", description="The C allocator: glibc's, tuned: 'reuse' keeps freed memory for "
         "the next step (fast; the heap fragments), 'compact' returns every freed tensor over "
         "64 KiB (the resident set follows the live tensors; page faults cost time); or "
