@@ -192,3 +192,12 @@ def test_model_dtype_at_its_old_default_beside_master_dtype_says_nothing(recwarn
     cfg = load_config(None, ["model.dtype='float32'", "learner.master_dtype='bfloat16'"])
     assert cfg.learner.master_dtype == "bfloat16"
     assert not [w for w in recwarn if issubclass(w.category, MovedKeys)]
+
+
+def test_a_config_with_built_sections_pickles() -> None:
+    """Ray sends the config to its actors: the sections built from components' settings
+    are found by name where they are bound."""
+    import pickle
+
+    cfg = load_config(None, ["tree.mode='latr'", "model.tiny.sft_steps=5", "sft.steps=2"])
+    assert pickle.loads(pickle.dumps(cfg)) == cfg

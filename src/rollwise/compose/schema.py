@@ -20,10 +20,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def section_of(settings: type, doc: str, checks: bool = False) -> type[Section]:
-    """A config section built from a component's settings dataclass: one key per field
-    that carries help text (`metadata["help"]`), with its type, default and bounds (the
-    rest of its metadata: ge, gt, le, lt, min_length). `checks`: a validated section is
+def section_of(name: str, module: str, settings: type, doc: str,
+               checks: bool = False) -> type[Section]:
+    """A config section called `name`, to be bound to that name in `module` (so that a
+    config pickles, as Ray sends it to its actors), built from a component's settings
+    dataclass: one key per field that carries help text (`metadata["help"]`), with its
+    type, default and bounds (the rest of its metadata: ge, gt, le, lt, min_length).
+    `checks`: a validated section is
     also passed through the dataclass once, so the component's own checks (`__post_init__`)
     run at load time, naming the key (for settings that are always built, unlike a judge's,
     which only a run that names it builds)."""
@@ -43,7 +46,7 @@ def section_of(settings: type, doc: str, checks: bool = False) -> type[Section]:
         return section
 
     validators = {"component_checks": model_validator(mode="after")(component_checks)}
-    return create_model(f"{settings.__name__}Section", __base__=Section, __doc__=doc,
+    return create_model(name, __base__=Section, __doc__=doc, __module__=module,
                         __validators__=validators if checks else None, **keys)
 
 

@@ -87,7 +87,8 @@ class RunConfig(Section):
         return name
 
 
-TinyConfig = section_of(TinySettings, "Settings of model 'tiny' (models/settings.py).")
+TinyConfig = section_of("TinyConfig", __name__, TinySettings,
+                        "Settings of model 'tiny' (models/settings.py).")
 
 
 class ModelConfig(Section):
@@ -256,8 +257,9 @@ class SpeculationConfig(Section):
         "acceptance).")
 
 
-TreeConfig = section_of(TreeSettings, "Tree rollouts inside a response (rollout/trees.py, "
-                        "docs/rollout.md).", checks=True)
+TreeConfig = section_of("TreeConfig", __name__, TreeSettings,
+                        "Tree rollouts inside a response (rollout/trees.py, docs/rollout.md).",
+                        checks=True)
 
 
 class EpisodesConfig(Section):
@@ -285,8 +287,9 @@ class EpisodesConfig(Section):
         "history (dropped at each publication and first under memory pressure).")
 
 
-SftConfig = section_of(SftSettings, "A supervised warm start on chat demonstrations before RL "
-                       "step 0 of a new run (not again on resume); off while `path` is unset "
+SftConfig = section_of("SftConfig", __name__, SftSettings,
+                       "A supervised warm start on chat demonstrations before RL step 0 of a "
+                       "new run (not again on resume); off while `path` is unset "
                        "(learner/sft.py, docs/agents.md).")
 
 
@@ -475,6 +478,7 @@ class HealthConfig(Section):
     max_kl: float = Field(10.0, gt=0, description="KL above this counts as diverging.")
 
 
-JudgeConfig = section_of(Judge, "LLM-as-judge, the reward term `judge` in task.rewards "
-                         "(docs/tasks.md): any OpenAI-compatible endpoint, called through "
-                         "the openai client (rewards/judge.py).")
+JudgeConfig = section_of("JudgeConfig", __name__, Judge,
+                         "LLM-as-judge, the reward term `judge` in task.rewards (docs/tasks.md): "
+                         "any OpenAI-compatible endpoint, called through the openai client "
+                         "(rewards/judge.py).")
