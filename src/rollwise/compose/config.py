@@ -8,61 +8,51 @@ errors that name the key, where it came from (the file or `--set`) and what is a
 keys of earlier releases are read at their new place, with a notice (migrate.py).
 Components never receive this tree: `build.py` unpacks it into plain arguments.
 
-Imports pydantic and the two modules beside it (sections.py, migrate.py).
+Imports pydantic and the modules beside it: migrate.py and schema.py at once, sections.py
+(and with it the components, torch) when `Config` is first used.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomllib
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, create_model
 
 from rollwise.compose.migrate import MovedKeys, MoveError, apply_moves
-from rollwise.compose.sections import (
-    AlgorithmConfig,
-    ControlConfig,
-    EngineConfig,
-    EpisodesConfig,
-    EvalConfig,
-    HealthConfig,
-    JudgeConfig,
-    LearnerConfig,
-    ModelConfig,
-    RayConfig,
-    RolloutConfig,
-    RunConfig,
-    ScheduleConfig,
-    Section,
-    SftConfig,
-    SpeculationConfig,
-    TaskConfig,
-    TreeConfig,
-)
+from rollwise.compose.schema import Section
+
+if TYPE_CHECKING:  # Config is built at run time (config_class): a Section to a checker
+    from rollwise.compose.schema import Section as Config
+
+# The sections, in the order of the config's tables.
+SECTIONS = ("run", "model", "task", "rollout", "engine", "schedule", "speculation", "tree",
+            "episodes", "ray", "algorithm", "learner", "eval", "control", "health", "judge",
+            "sft")
 
 
-class Config(Section):
-    run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
-    tree: TreeConfig = Field(default_factory=TreeConfig)
-    episodes: EpisodesConfig = Field(default_factory=EpisodesConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    control: ControlConfig = Field(default_factory=ControlConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)
-    judge: JudgeConfig = Field(default_factory=JudgeConfig)
-    sft: SftConfig = Field(default_factory=SftConfig)
+@functools.cache
+def config_class() -> type[Section]:
+    """`Config`, built on first use: its sections read the settings and name lists of the
+    components (sections.py), which imports torch; reading a config's keys and its errors
+    (the command line's `--help`, `ConfigError`) does not need them."""
+    from rollwise.compose import sections
+
+    fields = {name: (cls, Field(default_factory=cls)) for name in SECTIONS
+              for cls in [getattr(sections, f"{name.title()}Config")]}
+    return create_model("Config", __base__=Section, __module__=__name__,
+                        __doc__="The whole configuration: one section per concern.", **fields)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Config":  # `from rollwise.compose.config import Config`, and unpickling one
+        return config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ConfigError(ValueError):
@@ -156,9 +146,9 @@ def validate_config(raw: dict, source: dict[str, str] | None = None) -> Config:
     if notices:
         warnings.warn("old config keys read at their new place (write the new spelling):\n  "
                       + "\n  ".join(notices), MovedKeys, stacklevel=3)
-    _check_keys(raw, Config, (), source)
+    _check_keys(raw, config_class(), (), source)
     try:
-        return Config.model_validate(raw)
+        return config_class().model_validate(raw)
     except ValidationError as e:
         lines = []
         for err in e.errors():
