@@ -5,18 +5,20 @@ are refused before anything loads."""
 from __future__ import annotations
 
 import json
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
 
 from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.compose.preflight import check_config
-from rollwise.pipeline.asyncloop import AsyncSteps, bound_staleness, staleness_histogram
+from rollwise.pipeline.asyncloop import AsyncSteps
 from rollwise.pipeline.build import build, run_steps
-from rollwise.pipeline.loop import Collected, train
+from rollwise.pipeline.collect import Staleness, collect, split_stale, staleness_histogram
+from rollwise.pipeline.loop import train
 from rollwise.pipeline.stages import Stages
 from rollwise.rewards import RewardStats
-from rollwise.run.rundir import Run
+from rollwise.run.rundir import Run, StepTimer
 from rollwise.types import Group, Sample
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
@@ -94,14 +96,22 @@ class _FakeControl:
 
 
 class _FakeStages:
-    """Rolls out fresh groups at version 9 (what 'regenerate' asks for); `regenerate` is
-    the real stage method over these parts."""
+    """One round of a fresh and an old group (ages 1 and 4 at version 9), the allocator
+    training both; rolls out fresh groups at version 9 (what 'regenerate' asks for);
+    `regenerate` is the real stage method over these parts."""
 
     regenerate = Stages.regenerate
 
-    def __init__(self):
-        self.asked = []
+    def __init__(self, fresh, old):
+        self.asked, self.groups = [], [fresh, old]
         self.control = _FakeControl()
+
+    def select(self):
+        from rollwise.control import Request
+        from rollwise.types import EncodedPrompt
+
+        return [Request(EncodedPrompt(g.sample, [1, 5]), len(g.trajectories))
+                for g in self.groups]
 
     def rollout(self, requests):
         self.asked += requests
@@ -110,24 +120,50 @@ class _FakeStages:
     def score(self, groups):
         return RewardStats(sum(len(g.trajectories) for g in groups), 0, 0, 0.0)
 
+    def observe(self, groups):
+        return []
+
+    def allocation(self):
+        return list(self.groups), list(self.groups)
+
+    def control_metrics(self):
+        return {"allocator": 1.0}
+
+
+def test_the_staleness_split_is_a_pure_function_of_groups_version_and_bound():
+    fresh, old = _group(8), _group(5, n=3)  # at version 9: ages 1 and 4
+    assert split_stale([fresh, old], 9, 2) == ([fresh], [old])
+    assert split_stale([fresh, old], 9, 4) == ([fresh, old], [])
+    assert split_stale([old, fresh], 12, 0) == ([], [old, fresh])
+    assert staleness_histogram([fresh, old], 9) == {
+        "staleness_hist_0": 0, "staleness_hist_1": 2, "staleness_hist_2": 0,
+        "staleness_hist_3plus": 3}
+
 
 @pytest.mark.parametrize("policy", ["drop", "regenerate"])
 def test_staleness_bound_drops_or_regenerates_and_counts(policy):
-    fresh, old = _group(8), _group(5, n=3)  # at version 9 with S=2: ages 1 and 4
-    batch = Collected([fresh, old], [fresh, old], RewardStats(5, 0, 0, 0.0), {}, requested=5)
-    stages = _FakeStages()
-    assert staleness_histogram(batch.kept, 9) == {
-        "staleness_hist_0": 0, "staleness_hist_1": 2, "staleness_hist_2": 0,
-        "staleness_hist_3plus": 3}
-    assert bound_staleness(stages, batch, 9, 2, policy) == 1
+    """The collector applies the bound and any regeneration itself: the record it returns
+    is finished (and frozen), with the bound's figures."""
+    fresh, old = _group(8), _group(5, n=3)
+    stages = _FakeStages(fresh, old)
+    batch = collect(stages, StepTimer(), bound=Staleness(2, policy), trains_at=9,
+                    figures={"rollout_started_version": 7})
+    with pytest.raises(FrozenInstanceError):
+        batch.kept = []  # type: ignore[misc]
+    assert [r.n for r in stages.asked[:2]] == [2, 3]  # the step's one round
+    assert batch.control["stale_groups"] == 1 and batch.control["allocator"] == 1.0
+    assert batch.control["rollout_started_version"] == 7
+    assert batch.control["rolled_staleness_hist_3plus"] == 3
     flow = batch.flow()
-    assert flow["traj_stale_dropped"] == 3
+    assert flow["traj_stale_dropped"] == 3 == batch.stale_dropped
     assert flow["traj_requested"] == (flow["traj_trained"] + flow["traj_filtered"]
                                       + flow["traj_stale_dropped"])
+    assert "rollout" in batch.phases and "reward" in batch.phases
     if policy == "drop":
-        assert batch.kept == [fresh] and flow["traj_trained"] == 2 and not stages.asked
+        assert batch.kept == [fresh] and flow["traj_trained"] == 2 and len(stages.asked) == 2
     else:
-        assert [r.n for r in stages.asked] == [3] and stages.asked[0].prompt.ids == [1, 5]
+        again = stages.asked[2:]
+        assert [r.n for r in again] == [3] and again[0].prompt.ids == [1, 5]
         assert flow["traj_trained"] == 5 and flow["traj_requested"] == 8
         assert batch.kept[0] is fresh and batch.kept[1].trajectories[0].versions == [9, 10]
         assert stages.control.seen == batch.kept[1:]  # the controller saw them scored
@@ -142,7 +178,9 @@ def test_bad_run_combinations_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="schedule.mode"):
         small(tmp_path, "schedule.mode='later'")
     with pytest.raises(ValueError, match="stale_policy"):
-        AsyncSteps(None, None, 0, 0, stale_policy="keep")
+        AsyncSteps(None, None, 0, 0, max_staleness=1, stale_policy="keep")
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        AsyncSteps(None, None, 0, 0, max_staleness=-1, stale_policy="drop")
 
 
 def test_scaling_model_arithmetic():

@@ -158,22 +158,22 @@ def test_the_staleness_bound_runs_on_the_producer_before_its_state_is_taken(tmp_
     regenerated groups)."""
     import threading
 
-    from rollwise.pipeline import asyncloop
+    from rollwise.pipeline import collect
     from rollwise.pipeline.stages import Stages
 
     calls = []
-    real_bound, real_state = asyncloop.bound_staleness, Stages.stage_state
+    real_split, real_state = collect.split_stale, Stages.own_state
 
-    def bound(stages, batch, version, max_staleness, policy):
+    def split(groups, version, max_staleness):
         calls.append(("bound", threading.current_thread().name, version))
-        return real_bound(stages, batch, version, max_staleness, policy)
+        return real_split(groups, version, max_staleness)
 
     def state(self):
         calls.append(("state", threading.current_thread().name, None))
         return real_state(self)
 
-    monkeypatch.setattr(asyncloop, "bound_staleness", bound)
-    monkeypatch.setattr(Stages, "stage_state", state)
+    monkeypatch.setattr(collect, "split_stale", split)
+    monkeypatch.setattr(Stages, "own_state", state)
     cfg = small(tmp_path, "schedule.mode='async'", "schedule.max_staleness=1",
                 "schedule.stale_policy='regenerate'")
     _, _, out = _train(cfg, "bounded")

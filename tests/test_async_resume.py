@@ -17,7 +17,8 @@ import pytest
 from rollwise.compose.config import load_config
 from rollwise.control import UniformSampler
 from rollwise.pipeline.build import build, run_steps
-from rollwise.pipeline.loop import Collected, collect, train
+from rollwise.pipeline.collect import Collected, collect
+from rollwise.pipeline.loop import train
 from rollwise.replay import TrajectoryStore
 from rollwise.run.rundir import Run, StepTimer
 from rollwise.types import Group, RewardIssue, Trajectory
@@ -67,8 +68,8 @@ def test_a_real_batch_round_trips_field_by_field(tmp_path):
     first.turns, first.turn_rewards, first.turn_states = [(0, 2), (3, 5)], [0.5, 1.0], ["a", "b"]
     first.loss_mask = [1] * first.num_tokens
     extra = replace(batch.groups[1], trajectories=list(batch.groups[1].trajectories))
-    batch.kept = batch.kept + [extra]
-    batch.phases, batch.stale_dropped = {"rollout": 0.25}, 3
+    batch = replace(batch, kept=batch.kept + [extra], phases={"rollout": 0.25},
+                    stale_dropped=3)
 
     plain = json.loads(json.dumps(batch.to_plain()))  # as a checkpoint writes and reads it
     back = Collected.from_plain(plain, stages.samples_by_id())
@@ -82,28 +83,24 @@ def test_a_real_batch_round_trips_field_by_field(tmp_path):
     assert back.reward_stats == batch.reward_stats and back.control == batch.control
     assert (back.requested, back.phases, back.stale_dropped) == \
         (batch.requested, batch.phases, batch.stale_dropped)
-    assert back.state is None
     with pytest.raises(ValueError, match="not among the task's prompts"):
         Collected.from_plain(plain, {})
 
 
-def _wait_for_ahead(run: Run, num_steps: int) -> None:
-    """Each snapshot of the run waits until the next step's batch is collected, so that
-    the checkpoint holds one (without it, whether it does depends on timing)."""
-    hold = run.hold_stage_state
+def _wait_for_ahead(stages, num_steps: int) -> None:
+    """Each snapshot of a trained step waits until the next step's batch is collected, so
+    that the checkpoint holds one (without it, whether it does depends on timing)."""
+    source = stages.stage_state
 
-    def holding(source):
-        def waiting() -> dict:
-            for _ in range(6000):
-                state = source()
-                if "ahead" in state or state["version"] >= num_steps:
-                    return state
-                time.sleep(0.01)
-            raise AssertionError("the producer never finished the next batch")
+    def waiting() -> dict:
+        for _ in range(6000):
+            state = source()
+            if "ahead" in state or not 0 < state["version"] < num_steps:
+                return state
+            time.sleep(0.01)
+        raise AssertionError("the producer never finished the next batch")
 
-        hold(waiting if source is not None else None)
-
-    run.hold_stage_state = holding
+    stages.stage_state = waiting
 
 
 @pytest.mark.parametrize("resumed", ["async", "sync"])
@@ -122,7 +119,7 @@ def test_resume_trains_the_buffered_batch_as_it_was_and_nothing_twice(tmp_path, 
 
     first.update = interrupting_update
     run = Run(root, resume=False, echo=lambda s: None)
-    _wait_for_ahead(run, 4)
+    _wait_for_ahead(first, 4)
     with pytest.raises(KeyboardInterrupt):
         train(first, run, 4, eval_before=False, steps=run_steps(cfg))
     first.close()
@@ -181,3 +178,22 @@ def test_staleness_zero_checkpoints_hold_what_the_synchronous_driver_holds(tmp_p
     assert states["s0"] == states["sync"]
     assert all("ahead" not in s for s in states["s0"])
     assert [s["version"] for s in states["s0"]] == [1, 2]
+
+
+def test_a_checkpoint_of_the_format_before_the_controller_saved_its_sampler_loads(tmp_path):
+    """Before, the stages saved the controller's sampler beside its state ("sampler" at the
+    top): such a checkpoint restores the sampler's cursor as the new format does."""
+    stages = build(small(tmp_path))
+    try:
+        state = json.loads(json.dumps(stages.stage_state()))
+        old = dict(state, control=dict(state["control"]))
+        old["sampler"] = old["control"].pop("sampler")
+        drawn = [p.sample.id for p in stages.control.sampler.next()]
+        for checkpoint in (old, state):
+            stages.control.sampler.next()  # moved on since the checkpoint
+            stages.load_state_dict(stages.learner.state_dict(), checkpoint)
+            assert [p.sample.id for p in stages.control.sampler.next()] == drawn
+            assert stages.stage_state()["control"]["sampler"] == \
+                stages.control.sampler.state_dict()
+    finally:
+        stages.close()

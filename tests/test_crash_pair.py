@@ -65,19 +65,19 @@ def test_a_server_killed_mid_sync_is_a_clear_error_in_time_and_resume_finishes(
     cfg = tiny(tmp_path, server.url)
     cfg.run.name = "killed"
     stages = build(cfg)
-    publish, killed = stages.rollout_stage.publish, []
+    activate, killed = stages.rollout_stage.activate, []
 
-    def kill_inside(weights) -> None:
-        if weights.version == 3:
+    def kill_inside(version: int) -> None:
+        if version == 3:
             def kill() -> None:
                 while not server.updating():
                     time.sleep(0.01)
                 server.signal(signal.SIGKILL)
                 killed.append(time.monotonic())
             threading.Thread(target=kill, daemon=True).start()
-        publish(weights)
+        activate(version)  # the servers load the staged version
 
-    stages.rollout_stage.publish = kill_inside
+    stages.rollout_stage.activate = kill_inside
     with pytest.raises(RemoteError) as e:
         run_config(cfg, "killed", stages=stages)
     took = time.monotonic() - killed[0]

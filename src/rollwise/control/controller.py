@@ -210,10 +210,15 @@ class Controller:
         with self._lock:
             return {"step": self.step, "book": self.book.state_dict(),
                     "allocator": self.allocator.state_dict(),
+                    "sampler": self.sampler.state_dict(),
                     "floor": self.floor_sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """`state_dict`'s; one without "sampler" (checkpoints before the controller saved
+        its sampler) leaves the sampler to the caller."""
         self.step = int(state["step"])
+        if "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
         self.book.load_state_dict(state["book"])
         self.allocator.load_state_dict(state["allocator"])
         self.floor_sampler.load_state_dict(state["floor"])

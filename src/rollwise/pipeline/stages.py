@@ -22,6 +22,7 @@ from rollwise.learner import prepare_batch
 from rollwise.learner.sft import SftSettings, encode_demonstration, read_demonstrations, train_sft
 from rollwise.models import Policy
 from rollwise.pipeline.evaluate import Evaluator
+from rollwise.pipeline.inflight import InFlight
 from rollwise.pipeline.ports import RolloutPort, TrainerPort
 from rollwise.rewards import RewardStats, mask_infra_failures
 from rollwise.rewards.group import GroupTerm, apply_group_rewards
@@ -62,7 +63,7 @@ class Stages:
 
     policy: Policy  # the driver's copy: evaluation and checkpoints read it
     task: Task
-    sampler: UniformSampler[EncodedPrompt]
+    sampler: UniformSampler[EncodedPrompt]  # the controller's (it draws from it and saves it)
     control: Controller  # the rollout allocator: which prompts, how many rollouts each
     rollout_stage: RolloutPort  # rollouts and their scoring
     learner: TrainerPort
@@ -78,10 +79,9 @@ class Stages:
     # free the rollout engine's key/value cache before each update (no rollout runs beside
     # it: not in-process asynchronous training)
     release_engine_cache: bool = False
-    # batches a checkpoint kept, collected for the steps after its own (plain data,
-    # `loop.Collected.to_plain`), held from `load_state_dict` until the asynchronous
-    # driver takes them to train first (asyncloop.take_kept)
-    ahead: list[dict] = field(default_factory=list)
+    # the batches collected ahead of training (and a checkpoint's, until a driver restores
+    # them): the one owner of what is in flight, and of the snapshot's stage state
+    inflight: InFlight = field(default_factory=InFlight)
     # publication (Stages.publish, Stages.activate): one phase at a time; the version staged
     _publishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _staged: int | None = field(default=None, repr=False)
@@ -206,27 +206,30 @@ class Stages:
 
     # -- state -----------------------------------------------------------------------------
     def stage_state(self) -> dict:
-        """What changes between steps besides the weights and the optimizer (plain data);
-        `ahead` too while the batches a checkpoint kept wait to be trained."""
-        state = {"sampler": self.sampler.state_dict(), "version": self.rollout_stage.version,
-                 "control": self.control.state_dict()}
+        """What a snapshot keeps besides the weights and the optimizer (plain data): the
+        in-flight batches' account of it (pipeline/inflight.py), from `own_state`."""
+        return self.inflight.state_dict(self.own_state)
+
+    def own_state(self) -> dict:
+        """What changes between steps besides the weights and the optimizer, as it is now:
+        the controller's (its samplers' cursors too), the rollout port's, the version."""
+        state = {"version": self.rollout_stage.version, "control": self.control.state_dict()}
         rollout = self.rollout_stage.state_dict()
         if rollout is not None:  # partial pools, the reuse cache, the group numbering
             state["rollout"] = rollout
-        if self.ahead:
-            state["ahead"] = self.ahead
         return state
 
     def load_state_dict(self, learner_state: dict, state: dict) -> None:
         """A checkpoint: the driver's model already holds its weights (load_checkpoint).
-        Its batches collected ahead (`ahead`, asynchronous runs) wait in `self.ahead`; the
-        sampler, controller and rollout state are as of the last of them."""
+        Its batches collected ahead (`ahead`, asynchronous runs) wait in `inflight` for
+        the driver; the sampler, controller and rollout state are as of the last of them."""
         self.learner.load_state_dict(learner_state)
-        self.sampler.load_state_dict(state["sampler"])
+        if "sampler" in state:  # checkpoints before the controller saved its sampler
+            self.control.sampler.load_state_dict(state["sampler"])
         if "control" in state:  # checkpoints before adaptive allocation have none
             self.control.load_state_dict(state["control"])
         self.rollout_stage.load_state_dict(state.get("rollout"))
-        self.ahead = list(state.get("ahead", []))
+        self.inflight.load_state_dict(state.get("ahead", []))
         self.publish(state["version"])
 
     def samples_by_id(self) -> dict[str, Sample]:

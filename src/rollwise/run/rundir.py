@@ -18,9 +18,9 @@ that changes between steps and is not the weights or the optimizer: RNG states, 
 cursor, allocator and rollout-pool state, counters. Every checkpoint, the periodic ones
 and the one written on Ctrl-C, is written from the latest snapshot, so an interrupt in the
 middle of step N+1 (prompts drawn, RNG advanced) still saves exactly the state after step N.
-A driver that rolls out ahead (the asynchronous one) supplies the stages' part itself
-(`hold_stage_state`): the batches it already collected for the later steps, and the state
-as of the last of them.
+The stages' part is `stages.stage_state()`, its one source: with batches collected ahead
+(the asynchronous driver), those batches and the state as of the last of them
+(pipeline/inflight.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import shutil
 import signal
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,22 +182,11 @@ class Run:
         self._snap_id = 0
         self._last_save = time.monotonic()
         self.config_changes: dict[str, list] = {}  # --resume --allow-changes: recorded
-        self._stage_state: Callable[[], dict] | None = None  # see hold_stage_state
 
     # -- snapshots and checkpoints ---------------------------------------------------------
-    def hold_stage_state(self, source: Callable[[], dict] | None) -> None:
-        """A driver that rolls out ahead of training (the asynchronous one) says what the
-        stages' state is at a snapshot: `source()` (its batches collected ahead and the
-        stages' state as of the last of them), called at each snapshot until None."""
-        self._stage_state = source
-
-    def snapshot(self, stages, stage_state: dict | None = None) -> None:
-        """Remember the state after the last completed step (see the module docstring).
-        `stage_state`: the stages' state as of that step when they have moved on since;
-        else the driver's (`hold_stage_state`), else the stages' own."""
-        if stage_state is None:
-            source = self._stage_state or stages.stage_state
-            stage_state = source()
+    def snapshot(self, stages) -> None:
+        """Remember the state after the last completed step (see the module docstring)."""
+        stage_state = stages.stage_state()
         self._snap_id += 1
         self._snap = Snapshot(step=self.step, counters=dict(self.counters),
                               summary=copy.deepcopy(self.summary),
