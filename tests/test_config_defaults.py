@@ -128,6 +128,7 @@ def test_a_section_built_from_a_components_settings_is_exactly_its_fields(
 
 
 def test_name_lists_are_read_from_their_registries() -> None:
+    from rollwise.algos.losses import AGGREGATIONS
     from rollwise.engine.step import MODES
     from rollwise.learner.optim import OPTIMIZERS
     from rollwise.rollout.dialects import KINDS
@@ -146,6 +147,7 @@ def test_name_lists_are_read_from_their_registries() -> None:
     assert names("learner", "optimizer") == OPTIMIZERS
     assert names("engine", "remote_kind") == KINDS
     assert names("run", "allocator") == ALLOCATORS
+    assert names("algorithm", "aggregation") == AGGREGATIONS
     with pytest.raises(ConfigError, match="schedule.strategy"):
         load_config(None, ["schedule.strategy='greedy'"])
 

@@ -21,6 +21,8 @@ import torch
 
 from rollwise.algos.registry import policy_losses, register, zero_at_zero_advantage
 
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
               num_tokens: float | None = None, num_seqs: float | None = None,
@@ -40,8 +42,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
     if mode == "seq-mean-token-sum-norm":
         norm = max_tokens or per_token.shape[1]
         return (per_token * mask).sum() / ((num_seqs or per_token.shape[0]) * norm)
-    raise ValueError(f"unknown aggregation '{mode}'; use token-mean, seq-mean-token-mean "
-                     "or seq-mean-token-sum-norm")
+    raise ValueError(f"unknown aggregation '{mode}'; use one of {', '.join(AGGREGATIONS)}")
 
 
 def _finish(per_token: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None,

@@ -9,7 +9,7 @@ section is built from it (compose/schema.py `section_of`): [tree] from
 component's constructor also holds is read from it (`default_of`: engine sizes from
 `NativeEngine`, the strategy and speculation from `RolloutScheduler`, the learner's from
 `Learner`, ...), and a name list is read, not copied: decode-step modes, rollout
-strategies, reuse rules, remote server kinds, optimizers, C allocators.
+strategies, reuse rules, remote server kinds, optimizers, C allocators, loss aggregations.
 `tests/test_config_defaults.py` holds the two to each other.
 
 Imports pydantic and the settings and name lists of the components it configures.
@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from rollwise.algos.losses import AGGREGATIONS
 from rollwise.compose.schema import Section, default_of, section_of
 from rollwise.control import Controller, PosteriorBook
 from rollwise.engine.native import NativeEngine
@@ -324,7 +325,7 @@ class AlgorithmConfig(Section):
         "(ppo 0.2, gspo 4e-4, cispo 0.28). DAPO clip-higher: 0.28.")
     dual_clip: float | None = Field(
         None, gt=1, description="ppo dual clip: bound the loss of A < 0 at c * |A| (e.g. 3).")
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+    aggregation: Literal[AGGREGATIONS] = Field(
         "token-mean", description="How token losses are averaged."
     )
     entropy_coef: float = Field(
