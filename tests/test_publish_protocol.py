@@ -1,15 +1,15 @@
 """The weight-publication protocol (pipeline/ports.py) on every placement: the rollout port
 in this process (the tiny model's native engine, keeping its own copy as an asynchronous
 run builds it), over inference servers (a fake SGLang server, tests/test_remote_dialects.py)
-and on a local Ray cluster. The trainer publishes a version, the rollout side stages it
-(tokens keep the active version) and activates it at a step boundary; versions only move
-forward, and a stage that fails keeps the active version with an error naming the
-placement and the phase."""
+and on a local Ray cluster (marked slow). The trainer publishes a version, the rollout
+side stages it (tokens keep the active version) and activates it at a step boundary;
+versions only move forward, and a stage that fails keeps the active version with an error
+naming the placement and the phase."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,15 @@ class Placement:
     stages: Stages
     name: str  # how its errors name it
     broken: Any  # version -> a Published whose stage fails, on this placement
+    after: list = field(default_factory=list)  # closed after the stages (fakes, clusters)
+    loads: Any = None  # () -> weight loads the servers saw (servers only)
+
+    def close(self) -> None:
+        try:
+            self.stages.close()
+        finally:
+            for close in self.after:
+                close()
 
     @property
     def rollout(self):
@@ -62,7 +71,10 @@ def in_process(tmp_path: Path, monkeypatch) -> Placement:
     engine = stages.rollout_stage.engine
 
     def broken(version: int) -> Published:
-        def fails():
+        take = engine.take
+
+        def fails():  # once: the next stage takes as before
+            monkeypatch.setattr(engine, "take", take)
             raise RuntimeError("CUDA out of memory")
 
         monkeypatch.setattr(engine, "take", fails)
@@ -74,10 +86,15 @@ def in_process(tmp_path: Path, monkeypatch) -> Placement:
 def servers(tmp_path: Path, monkeypatch) -> Placement:
     fake = Fake({})
     fake.routes = sglang_routes(fake)
-    monkeypatch.setattr(Stages, "close", _also(Stages.close, fake.close))
-    stages = build(config(tmp_path, "engine.name='remote'", f"engine.remote_urls=['{fake.url}']",
-                          "engine.remote_kind='sglang'", "engine.remote_timeout_s=30"))
-    return Placement(stages, "remote servers", lambda v: Published(v, _Unwritable(), 1))
+    try:
+        stages = build(config(tmp_path, "engine.name='remote'",
+                              f"engine.remote_urls=['{fake.url}']",
+                              "engine.remote_kind='sglang'", "engine.remote_timeout_s=30"))
+    except BaseException:
+        fake.close()
+        raise
+    return Placement(stages, "remote servers", lambda v: Published(v, _Unwritable(), 1),
+                     [fake.close], lambda: fake.routes_called().count("/update_weights_from_disk"))
 
 
 def on_ray(tmp_path: Path, monkeypatch) -> Placement:
@@ -86,27 +103,19 @@ def on_ray(tmp_path: Path, monkeypatch) -> Placement:
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-    started = not ray.is_initialized()
-    if started:
+    after = []
+    if not ray.is_initialized():  # a cluster of this module's own, shut down after it
         ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
                  runtime_env=worker_env(), _temp_dir="/tmp/rwray")
-        monkeypatch.setattr(Stages, "close", _also(Stages.close, ray.shutdown))
+        after.append(ray.shutdown)
     stages = build(config(tmp_path, "run.backend='ray'", "ray.num_workers=1",
                           "ray.worker_cpus=0.5"))
-    return Placement(stages, "Ray rollout workers", lambda v: Published(v))
+    return Placement(stages, "Ray rollout workers", lambda v: Published(v), after)
 
 
-def _also(close, then):
-    def both(self):
-        try:
-            close(self)
-        finally:
-            then()
-    return both
-
-
+# a local Ray cluster and its three actors take 15-40 s to start on two shared cores: slow
 @pytest.fixture(scope="module", params=[
-    in_process, servers, pytest.param(on_ray, marks=pytest.mark.ray)],
+    in_process, servers, pytest.param(on_ray, marks=[pytest.mark.ray, pytest.mark.slow])],
     ids=["in-process", "servers", "ray"])
 def placement(request, tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -114,7 +123,7 @@ def placement(request, tmp_path_factory):
         try:
             yield made
         finally:
-            made.stages.close()
+            made.close()
 
 
 def publish(placement: Placement, version: int) -> Published:
@@ -124,10 +133,13 @@ def publish(placement: Placement, version: int) -> Published:
 def test_a_staged_version_is_sampled_only_once_activated(placement):
     rollout = placement.rollout
     v = rollout.version
+    loads = placement.loads() if placement.loads else 0
     rollout.stage(publish(placement, v + 1))
     assert rollout.version == v and placement.versions() == {v}  # staged: not sampled
+    assert (placement.loads() if placement.loads else 0) == loads  # no server loaded it
     rollout.activate(v + 1)
     assert rollout.version == v + 1 and placement.versions() == {v + 1}
+    assert (placement.loads() if placement.loads else 1) == loads + 1
 
 
 def test_versions_only_move_forward(placement):

@@ -7,7 +7,8 @@ string-keyed dictionaries of tensors.
 
 `Trajectory` and `Group` also have a plain-data form (`to_plain` / `from_plain`: lists,
 dicts, numbers, text) that a checkpoint keeps: the asynchronous driver's batches collected
-ahead of training. Imports nothing of rollwise.
+ahead of training. `Published`, `WeightSlots` and `PublishError` carry the weight-publication
+protocol of pipeline/ports.py (publish, stage, activate). Imports nothing of rollwise.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ from typing import Any
 
 
 class InFlight:
+    """The batches collected ahead of training, by step, and the state a snapshot keeps;
+    thread-safe (a producer puts, the training thread takes)."""
+
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._ready: dict[int, tuple[Any, dict | None]] = {}  # step -> (batch, state)
