@@ -8,13 +8,13 @@
         [--sync-delay 0.3] [--timeout 20]
 
 --user-code: the run also scores with a verifier and a group term (with an option) named
-by import path, as a user's own code is (rollwise.pipeline.crashtest.USER_CODE).
+by import path, as a user's own code is (tests/crashtest.py's USER_CODE).
 
 --mode: the run synchronous (the default without --pair), asynchronous in one process
 (max_staleness 1: compared in what timing cannot change, and every batch a checkpoint
 kept must be trained as kept), or the kills split between the two.
 
---pair: a trainer and a `rollwise serve` process, either killed (rollwise/pipeline/
+--pair: a trainer and a `rollwise serve` process, either killed (tests/
 crashpair.py); prints the kills per victim and phase. The servers are forked by this
 script (`serve-zygote DELAY ...`: the libraries imported once), which makes each weight
 load take DELAY seconds more so that kills can land inside one (the tiny model's takes
@@ -22,7 +22,7 @@ about 10 ms). --mode both splits
 the kills between a synchronous run and an asynchronous one (max_staleness 1).
 
 Exits 0 when every finished run equals the uninterrupted reference (metrics, stored
-trajectories, summary counters), 1 otherwise. See rollwise/pipeline/crashtest.py for what it does.
+trajectories, summary counters), 1 otherwise. See tests/crashtest.py for what it does.
 """
 
 from __future__ import annotations
@@ -38,8 +38,11 @@ import time
 from pathlib import Path
 
 from rollwise.compose.config import load_config
-from rollwise.pipeline.crashpair import SERVER, pair_test
-from rollwise.pipeline.crashtest import USER_CODE, crash_test
+
+# the harness is test tooling: it lives beside the tests that run it briefly
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from crashpair import SERVER, pair_test  # noqa: E402
+from crashtest import USER_CODE, crash_test  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["run.num_steps=6", "run.threads=1", "run.checkpoint_every=2",

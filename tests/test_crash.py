@@ -1,5 +1,5 @@
 """Crash safety, proven: a tiny run killed (SIGKILL / SIGINT) at random instants and resumed
-ends exactly as an uninterrupted run (rollwise.pipeline.crashtest; scripts/crash_harness.py runs
+ends exactly as an uninterrupted run (tests/crashtest.py; scripts/crash_harness.py runs
 longer). The run scores with users' own code by import path too: a verifier and a group
 term with an option (crashtest.USER_CODE), whose keys config.toml must read back."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from crashtest import USER_CODE, crash_test
 from rollwise.compose.config import load_config
-from rollwise.pipeline.crashtest import USER_CODE, crash_test
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny_arith.toml"
 

@@ -1,5 +1,5 @@
 """Crash safety of a trainer and an inference server in two processes
-(rollwise.pipeline.crashpair; `scripts/crash_harness.py --pair` runs it longer): a server
+(tests/crashpair.py; `scripts/crash_harness.py --pair` runs it longer): a server
 killed during a weight sync stops the trainer within the time-out with an error naming it
 and the route, and the resumed run ends with every step once; a server back on its base
 weights (restarted) behind the trainer's back is an error, not rollouts from another
@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from crashpair import SERVER, Server, pair_test
 from rollwise.compose.config import load_config
 from rollwise.learner.files import write_weights
 from rollwise.models import load_policy
 from rollwise.pipeline.build import build
-from rollwise.pipeline.crashpair import SERVER, Server, pair_test
 from rollwise.rollout.servers import RemoteError
 from runs import records, run_config
 from test_remote import free_port

@@ -15,10 +15,10 @@ import torch
 from typer.testing import CliRunner
 
 import rollwise
+from crashtest import read_run
 from rollwise.cli import app
 from rollwise.compose.config import ConfigError, load_config, to_toml
 from rollwise.control import Request
-from rollwise.pipeline.crashtest import read_run
 from rollwise.types import Sample
 
 CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith.toml")

@@ -51,8 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from rollwise.compose.config import Config, load_config
-from rollwise.pipeline.crashtest import (
+from crashtest import (
     async_checks,
     check_kept,
     child_exit,
@@ -62,6 +61,7 @@ from rollwise.pipeline.crashtest import (
     timing_free,
     wait_exit,
 )
+from rollwise.compose.config import Config, load_config
 
 SERVER = [sys.executable, "-m", "rollwise", "serve", "--model", "tiny", "--threads", "1",
           "--port", "{port}"]
