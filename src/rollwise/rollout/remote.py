@@ -239,12 +239,6 @@ class RemoteRollout:
                 self._dtypes[i] = self.dialect.weights_dtype(self.servers, i)
         return list(self._dtypes)
 
-    def server_versions(self) -> list[int]:
-        """The version each server samples with now (GET /v1/weights: `rollwise serve`
-        only; vLLM and SGLang do not number weights this way)."""
-        return [int(self.servers.get(i, "/v1/weights")["version"])
-                for i in range(len(self.servers.urls))]
-
     def state_dict(self) -> dict[str, Any] | None:
         """The next group number (the samples' seeds derive from it)."""
         with self._lock:

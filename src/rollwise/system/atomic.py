@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -60,9 +60,3 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_with(path: str | Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` writes the content to a temporary path, which then replaces `path`."""
-    with atomic_path(path) as tmp:
-        write(tmp)
