@@ -5,7 +5,7 @@ statistics on request (`SamplingParams.top_logprobs`, `entropy`: computed from t
 of the rows that ask, on every path a token is drawn: the first token from the prompt's
 logits, decode steps, and the verifier; a step where no row asks computes nothing extra).
 
-    engine = NativeEngine(policy.model, kv_budget_tokens=65536, max_num_seqs=128)
+    engine = NativeEngine(policy.model, kv_budget_tokens=65536, max_num_seqs=64)
     outs = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=256))
 
 The lower-level interface drives it one step at a time:
