@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 
-from rollwise.engine.base import Engine, EngineStats, RequestEngine, SamplingParams
+from rollwise.engine.base import ENGINE_ROWS, Engine, EngineStats, RequestEngine, SamplingParams
 from rollwise.engine.decoder import SUPPORTED_MODEL_TYPES, UnsupportedModel
 from rollwise.engine.native import NativeEngine
 from rollwise.registry import Registry
@@ -32,7 +32,7 @@ ENGINES: Registry = Registry("engine", takes=("model",),
 
 @ENGINES.register("hf")
 def hf_engine(model, *, eos_token_ids: list[int], pad_token_id: int,
-              batch_size: int = 64) -> Engine:
+              batch_size: int = ENGINE_ROWS) -> Engine:
     from rollwise.engine.hf import HFEngine
 
     return HFEngine(model, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
@@ -40,7 +40,8 @@ def hf_engine(model, *, eos_token_ids: list[int], pad_token_id: int,
 
 
 @ENGINES.register("native")
-def native_engine(model, *, eos_token_ids: list[int], pad_token_id: int, batch_size: int = 64,
+def native_engine(model, *, eos_token_ids: list[int], pad_token_id: int,
+                  batch_size: int = ENGINE_ROWS,
                   **options) -> Engine:
     """The native engine; `hf` (with a warning) for architectures outside
     SUPPORTED_MODEL_TYPES. `options`: NativeEngine's own (kv_budget_tokens, dtype, ...)."""
@@ -54,7 +55,7 @@ def native_engine(model, *, eos_token_ids: list[int], pad_token_id: int, batch_s
 
 
 def make_engine(name: str, model, *, eos_token_ids: list[int], pad_token_id: int,
-                batch_size: int = 64, **options) -> Engine:
+                batch_size: int = ENGINE_ROWS, **options) -> Engine:
     """The engine `name` (registered, or "package.module:factory") over `model`."""
     return ENGINES.get(name)(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                              batch_size=batch_size, **options)

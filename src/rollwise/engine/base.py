@@ -13,6 +13,10 @@ from typing import Protocol, runtime_checkable
 
 from rollwise.types import Completion
 
+# sequences an engine decodes at once unless told: the one default every engine, the remote
+# rollout and the config ([engine] batch_size) read
+ENGINE_ROWS = 64
+
 # Given [(request id, tokens so far)] and the most draft tokens one pass verifies, a draft
 # continuation per request (empty: none). The rollout scheduler's grouped drafts are one.
 Drafter = Callable[[list[tuple[int, list[int]]], int], list[list[int]]]

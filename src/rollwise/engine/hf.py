@@ -14,7 +14,7 @@ import contextlib
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from rollwise.engine.base import SamplingParams
+from rollwise.engine.base import ENGINE_ROWS, SamplingParams
 from rollwise.engine.sampling import warp_logits
 from rollwise.types import Completion
 
@@ -42,7 +42,7 @@ class HFEngine:
     """Batched `model.generate`; shares the model (and so the learner's weights) in process."""
 
     def __init__(self, model, *, pad_token_id: int, eos_token_ids: list[int],
-                 batch_size: int = 64, version: int = 0):
+                 batch_size: int = ENGINE_ROWS, version: int = 0):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)

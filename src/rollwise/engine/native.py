@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from rollwise.engine.admission import Admission
-from rollwise.engine.base import Drafter, EngineStats, SamplingParams
+from rollwise.engine.base import ENGINE_ROWS, Drafter, EngineStats, SamplingParams
 from rollwise.engine.decoder import Decoder, Taken
 from rollwise.engine.kvcache import KVCache
 from rollwise.engine.layers import Layers
@@ -42,7 +42,7 @@ from rollwise.types import Completion
 
 
 class NativeEngine:
-    def __init__(self, model, *, kv_budget_tokens: int = 65536, max_num_seqs: int = 64,
+    def __init__(self, model, *, kv_budget_tokens: int = 65536, max_num_seqs: int = ENGINE_ROWS,
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                  eos_token_ids: list[int] | None = None, share_prefix: bool = True,
                  static_batch: bool = False, drafter: Drafter | None = None,

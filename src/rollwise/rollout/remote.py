@@ -27,7 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollwise.engine.base import SamplingParams
+from rollwise.engine.base import ENGINE_ROWS, SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.rewards.pool import RewardStats
 from rollwise.rollout.dialects import Ask, make_dialect
@@ -75,7 +75,7 @@ class RemoteRollout:
 
     def __init__(self, servers: Servers, sampling: SamplingParams,
                  decode: Callable[[list[int]], str], scorer: Scorer, *, seed: int,
-                 sync: str = "pause", concurrency: int = 64, version: int = 0,
+                 sync: str = "pause", concurrency: int = ENGINE_ROWS, version: int = 0,
                  kind: str = "rollwise"):
         self.servers, self.sampling, self.decode = servers, sampling, decode
         self.seed, self.sync = seed, sync
