@@ -43,7 +43,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "tasks": ("types", "registry", "rewards", "envs"),
     "learner": ("types", "system", "algos", "models"),
     "rollout": ("types", "system", "replay", "engine", "rewards", "envs"),
-    "compose": _COMPONENTS,
+    "compose": (*_COMPONENTS, "observe"),  # observe: the logger sinks' names
     "run": (*_COMPONENTS, "observe", "compose"),
     "distributed": (*_COMPONENTS, "compose"),
     "pipeline": (*_COMPONENTS, "observe", "compose", "run", "distributed"),

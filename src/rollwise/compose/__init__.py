@@ -4,5 +4,5 @@ place a config is checked before anything loads (`preflight`), precision chosen 
 machine (`precision`) and one builder per part (`parts`).
 
 May import: types, registry, system, algos, models, replay, engine, rewards, control, envs,
-tasks, learner, rollout.
+tasks, learner, rollout, observe.
 """

@@ -31,6 +31,7 @@ from rollwise.learner import Learner
 from rollwise.learner.optim import OPTIMIZERS
 from rollwise.learner.sft import SftSettings
 from rollwise.models.settings import TinySettings
+from rollwise.observe.loggers import SINKS
 from rollwise.rewards.judge import Judge
 from rollwise.rollout.dialects import KINDS as REMOTE_KINDS
 from rollwise.rollout.episodes import EpisodeRunner
@@ -52,7 +53,7 @@ class RunConfig(Section):
         5.0, ge=0, description="Save a checkpoint when this many minutes have passed since the "
         "last one (0: by step count only).")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
-    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+    loggers: list[Literal[("jsonl", *SINKS)]] = Field(
         default_factory=lambda: ["jsonl"], description="Where metrics go besides the terminal: "
         "jsonl (metrics.jsonl, always written), tensorboard, wandb (offline), mlflow (local "
         "files), trackio (local); each but jsonl is an optional extra (docs/metrics.md).")
