@@ -116,7 +116,7 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
         placement=_placement(cfg),
         task={**{k: v for _, x in scoring.extra for k, v in x.info.items()}, **task.info})
     return Stages(
-        policy=policy, task=task, sampler=sampler, control=control, rollout_stage=rollout,
+        policy=policy, task=task, control=control, rollout_stage=rollout,
         learner=trainer, evaluator=evaluator, info=info,
         advantage_fn=lookup(advantage_estimators, a.advantage, "advantage estimator"),
         advantage_options=dict(a.advantage_options),

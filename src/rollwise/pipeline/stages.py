@@ -63,7 +63,6 @@ class Stages:
 
     policy: Policy  # the driver's copy: evaluation and checkpoints read it
     task: Task
-    sampler: UniformSampler[EncodedPrompt]  # the controller's (it draws from it and saves it)
     control: Controller  # the rollout allocator: which prompts, how many rollouts each
     rollout_stage: RolloutPort  # rollouts and their scoring
     learner: TrainerPort
@@ -85,6 +84,11 @@ class Stages:
     # publication (Stages.publish, Stages.activate): one phase at a time; the version staged
     _publishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _staged: int | None = field(default=None, repr=False)
+
+    @property
+    def sampler(self) -> UniformSampler[EncodedPrompt]:
+        """The training prompts' stream: the controller's, which draws from it and saves it."""
+        return self.control.sampler
 
     @property
     def model(self):
