@@ -292,6 +292,9 @@ def explicit_keys(cfg: Config) -> set[str]:
 
 def _skip_reason(key: str, cfg: Config, autocast: bool) -> str | None:
     """Why a low-memory setting is not applied to `cfg`, or None."""
+    if cfg.learner.shards > 1 and key in ("learner.master_dtype", "learner.optimizer"):
+        return ("learner.shards > 1: FSDP2 shards float32 weights and torch's AdamW; each rank "
+                "holds 1/N of them instead")
     if cfg.model.lora_rank > 0 and key in ("learner.master_dtype", "learner.optimizer"):
         return ("LoRA: measured for full fine-tuning; learner.master_dtype is then the frozen "
                 "weights' dtype")

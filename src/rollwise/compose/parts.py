@@ -22,6 +22,7 @@ from rollwise.engine.base import Engine, RequestEngine, SamplingParams
 from rollwise.envs.render import TurnRenderer
 from rollwise.learner import Learner
 from rollwise.learner.files import FileTrainer
+from rollwise.learner.shards import Peers
 from rollwise.models import Policy, load_policy
 from rollwise.rewards import RewardSpec, get_verifier
 from rollwise.rewards.group import GroupTerm, get_group_reward, is_group_term
@@ -115,8 +116,10 @@ def build_rollout_stage(cfg: Config, policy: Policy, precision: PrecisionChoice,
                         fetch=fetch)
 
 
-def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Learner:
-    """The learner over `policy.model` (the local driver's, or a Ray learner actor's)."""
+def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice,
+                  peers: Peers | None = None) -> Learner:
+    """The learner over `policy.model` (the local driver's, a Ray learner actor's, or one
+    learner rank's of several: `peers`)."""
     r, a, lc = cfg.rollout, cfg.algorithm, cfg.learner
     loss_options = {k: v for k, v in {"clip_low": a.clip_low, "clip_high": a.clip_high,
                                       "dual_clip": a.dual_clip}.items() if v is not None}
@@ -137,7 +140,7 @@ def build_learner(cfg: Config, policy: Policy, precision: PrecisionChoice) -> Le
         activation_checkpointing=lc.activation_checkpointing,
         memory_budget_mb=lc.memory_budget_mb, optimizer=lc.optimizer,
         master_dtype=trained_dtype(cfg), master_rounding=lc.master_rounding, seed=cfg.run.seed,
-        release_memory=lc.release_memory)
+        release_memory=lc.release_memory, peers=peers)
 
 
 def trained_dtype(cfg: Config) -> str:
@@ -147,7 +150,7 @@ def trained_dtype(cfg: Config) -> str:
 
 
 def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer: Callable,
-                 task: Task) -> tuple[RemoteRollout, FileTrainer]:
+                 task: Task, learner=None) -> tuple[RemoteRollout, FileTrainer]:
     """The rollout port over the servers of engine.remote_urls and the learner in this
     process whose publications are weight folders; the servers load the driver's weights
     as version 0 before the first step (they may have started from other ones)."""
@@ -161,8 +164,8 @@ def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer
     rollout = RemoteRollout(servers, build_sampling(cfg), policy.decode, scorer,
                             seed=cfg.run.seed, sync=e.remote_sync, concurrency=e.batch_size,
                             kind=e.remote_kind)
-    trainer = FileTrainer(build_learner(cfg, policy, precision), policy.model,
-                          e.remote_weights_dir)
+    learner = learner if learner is not None else build_learner(cfg, policy, precision)
+    trainer = FileTrainer(learner, policy.model, e.remote_weights_dir)
     try:
         # the servers' precisions before the first publication, so that it is written once
         # in each (not in float32 first, then again)

@@ -32,6 +32,7 @@ def check_config(cfg: Config, functions: Mapping[str, Callable] | None = None) -
     _check_combinations(cfg)
     _check_placement(cfg)
     check_device(cfg.run.device)
+    _check_shards(cfg)
     _check_sft(cfg)
     if cfg.engine.decode_step == "graph" and not cfg.run.device.startswith("cuda"):
         raise ConfigError(f"engine.decode_step = 'graph' captures CUDA graphs: it needs "
@@ -225,6 +226,36 @@ def _check_placement(cfg: Config) -> None:
     if cfg.run.backend == "local" and cfg.ray.num_workers > 1:
         raise ConfigError(f"ray.num_workers={cfg.ray.num_workers} needs "
                           "run.backend='ray' (the local backend has one engine)")
+
+
+def _check_shards(cfg: Config) -> None:
+    """learner.shards > 1: what FSDP2 shards, on devices that exist, over rows enough."""
+    n, lc = cfg.learner.shards, cfg.learner
+    if n == 1:
+        return
+    if lc.master_dtype == "bfloat16":
+        raise ConfigError(f"learner.master_dtype = 'bfloat16' cannot be sharded (its stochastic "
+                          f"rounding keeps per-weight state FSDP2 does not split); with "
+                          f"learner.shards = {n} keep 'float32' (each rank holds 1/{n} of it)")
+    if lc.optimizer not in ("adamw", "adamw-fused"):
+        raise ConfigError(f"learner.optimizer = '{lc.optimizer}' cannot be sharded (torchao's "
+                          f"quantized moments are not DTensors); with learner.shards = {n} use "
+                          "'adamw' or 'adamw-fused'")
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if rows < n:
+        raise ConfigError(f"learner.shards = {n} is more than the {rows} rows of a step "
+                          f"(rollout.prompts_per_step x rollout.group_size): a rank would "
+                          "have nothing to train on")
+    if cfg.run.device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < n:
+            raise ConfigError(f"learner.shards = {n} on run.device = '{cfg.run.device}' needs "
+                              f"{n} GPUs, one a rank; this machine has {count}")
+    if cfg.sft.path:
+        raise ConfigError("sft.path: the warm start trains the learner in this process; "
+                          f"it is not supported with learner.shards = {n} (yet)")
 
 
 def overlaps_in_process(cfg: Config) -> bool:

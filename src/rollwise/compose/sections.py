@@ -421,6 +421,16 @@ class LearnerConfig(Section):
         "optimizer step and give the memory an update freed back to the system (glibc "
         "malloc_trim): the resident set stays near the live tensors instead of growing over steps "
         "(docs/performance.md, Memory); pages are faulted in again.")
+    shards: int = Field(
+        1, ge=1, description="Learner processes the policy is sharded over with FSDP2 "
+        "(torch.distributed: gloo on CPU, NCCL on GPU): each holds 1/N of the weights, gradients "
+        "and optimizer state and trains on 1/N of a batch, for the update one process would make "
+        "(docs/scaling.md, The learner on N devices). Started by this process (run.backend "
+        "'local'), as Ray actors ('ray'), or by torchrun. 1: the learner in this process.")
+    shard_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds a learner rank may take for one call (an update, a "
+        "publication, a checkpoint) or wait in a collective; past it, or when a rank dies, the "
+        "run stops with an error naming the rank and the phase.")
 
 
 class EvalConfig(Section):

@@ -5,6 +5,9 @@
     checkpoints/step_N/optimizer.json         their structure (tensors named, numbers inline)
     checkpoints/step_N/rng.json               torch / python / numpy RNG states
     checkpoints/step_N/state.json             step, policy version, data cursor, counters
+    checkpoints/step_N/learner/               a sharded learner's optimizer state instead:
+                                              one torch.distributed.checkpoint (DCP) folder,
+                                              each rank's shard, loadable by any number
 
 Why no pickle: a run directory is something people share, and `torch.load` of a pickle
 runs whatever code the file names. safetensors and JSON can only hold data.
@@ -31,6 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollwise.system.atomic import fsync_dir, fsync_file
+
+LEARNER_DIR = "learner"  # a sharded learner's optimizer state, in a checkpoint
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
@@ -144,12 +149,19 @@ def save_checkpoint(folder: Path, model, learner_state: dict, state: dict, keep:
     tmp.mkdir()
     try:
         save_file(trainable_state(model), tmp / "model.safetensors")
+        learner_state = dict(learner_state)
+        if "folder" in learner_state:  # a sharded learner's: its ranks wrote it whole
+            shutil.move(learner_state.pop("folder"), tmp / LEARNER_DIR)
+            for f in (tmp / LEARNER_DIR).iterdir():
+                fsync_file(f)
+            fsync_dir(tmp / LEARNER_DIR)
         save_tree(tmp, "optimizer", learner_state)
         save_tree(tmp, "rng", rng if rng is not None else rng_state())
         # compact: the batches an async checkpoint keeps make it large (2.8x indented)
         (tmp / "state.json").write_text(json.dumps(state, separators=(",", ":")))
         for f in tmp.iterdir():
-            fsync_file(f)
+            if f.is_file():
+                fsync_file(f)
         fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,6 +218,8 @@ def load_checkpoint(path: Path, model) -> tuple[dict, dict]:
     if (path / "rng.json").is_file():
         set_rng_state(load_tree(path, "rng"))
         learner_state = load_tree(path, "optimizer")
+        if (path / LEARNER_DIR).is_dir():  # a sharded learner's optimizer state (DCP)
+            learner_state["folder"] = str(path / LEARNER_DIR)
     else:
         set_rng_state(_load_legacy(path / "rng.pt"))
         learner_state = _load_legacy(path / "optimizer.pt")

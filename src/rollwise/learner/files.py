@@ -85,7 +85,8 @@ class FileTrainer:
 
     def publish(self, version: int) -> Published:
         """The model's weights (after the first publication, the adapter only, for LoRA)
-        written as `version`."""
+        written as `version` (a sharded learner first brings the model to them)."""
+        self.learner.publish(version)
         return self.weights.publish(version)
 
     def sync_into(self, model) -> int | None:

@@ -39,12 +39,14 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from rollwise.algos import aggregate, is_zero_at_zero_advantage
+from rollwise.learner import shards
 from rollwise.learner.batch import micro_batches, take_rows
-from rollwise.learner.logprobs import token_logprobs
+from rollwise.learner.logprobs import TokenLogprobs, backbone_and_head, share_vote
 from rollwise.learner.memory import enable_checkpointing, fit_budget, reference_copy
 from rollwise.learner.optim import build_optimizer, load_plain_state, plain_state
 from rollwise.learner.stochastic import bfloat16_master
@@ -64,7 +66,8 @@ class Learner:
                  skip_zero_advantage: bool = True, share_prompts: bool = True,
                  activation_checkpointing: bool = False, memory_budget_mb: float = 0.0,
                  optimizer: str = "adamw", master_dtype: str = "float32", seed: int = 0,
-                 release_memory: bool = False, master_rounding: str = "stochastic"):
+                 release_memory: bool = False, master_rounding: str = "stochastic",
+                 peers: shards.Peers | None = None):
         """`share_prompts`: rows with the same prompt run it once per micro-batch (the
         same log-probs and gradients; learner/logprobs.py). `activation_checkpointing` and
         `memory_budget_mb` (0: none): the module docstring. `optimizer`: a name of
@@ -72,16 +75,32 @@ class Learner:
         `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so),
         its updates rounded stochastically (`seed` seeds it) or, `master_rounding`
         "compensated", kept by an int8 residual each (learner/stochastic.py).
-        `release_memory`: gradients freed after each step, freed heap memory given back."""
+        `release_memory`: gradients freed after each step, freed heap memory given back.
+        `peers`: this process is one of several learner ranks (a process group joined
+        before): the model, and the reference copy, are sharded over them with FSDP2 and
+        each rank updates on its share of a batch (learner/shards.py)."""
         if master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"learner.master_dtype must be float32 or bfloat16, not "
                              f"'{master_dtype}'")
         stochastic, compensated = master_dtype == "bfloat16", master_rounding == "compensated"
         if stochastic:
             bfloat16_master(model, keep_stream=precision == "bf16-autocast", residuals=compensated)
-        self.model = model
+        self.model, self.peers = model, peers
         if activation_checkpointing:
             enable_checkpointing(model)
+        self.ref_model = None
+        if kl_coef > 0 and not hasattr(model, "disable_adapter"):
+            self.ref_model = reference_copy(model, precision)
+        # the policy (and the reference) as modules computing log-probs: a sharded learner
+        # shards them as roots around the decoder layers
+        self.scorer = TokenLogprobs(model)
+        self.ref_scorer = TokenLogprobs(self.ref_model) if self.ref_model is not None else None
+        if peers is not None:
+            device = str(next(model.parameters()).device)
+            mixed = device.startswith("cuda") and precision == "bf16-autocast"
+            for scorer in filter(None, (self.scorer, self.ref_scorer)):
+                shards.shard(scorer, list(backbone_and_head(scorer.model)[0].layers), device,
+                             mixed_bf16=mixed)
         self.share_prompts = share_prompts and not activation_checkpointing
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -107,38 +126,67 @@ class Learner:
         # the version last published and the one `sync_into` last reported
         self._published: int | None = None
         self._synced: int | None = None
-        self.ref_model = None
-        if kl_coef > 0 and not hasattr(model, "disable_adapter"):
-            self.ref_model = reference_copy(model, precision)
         self.nan_skips = 0  # updates skipped for a non-finite loss or gradient
         self.release_memory = release_memory
         self.device = self.params[0].device
 
     def _autocast(self):
-        if self.precision == "bf16-autocast":
+        if self.precision == "bf16-autocast" and not (self.peers and self.device.type == "cuda"):
+            # (sharded on a GPU, FSDP's mixed precision computes in bfloat16 instead)
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logprobs(self, model, rows: Batch, with_entropy: bool = False):
+    def _logprobs(self, model, rows: Batch, with_entropy: bool = False, share: bool | None = None):
+        """`share`: None, prompts shared where that saves enough (one process); True or
+        False, as the learner ranks agreed (`shards.Peers.plan`)."""
+        scorer = self.ref_scorer if model is self.ref_model else self.scorer
+        options = {"share_prompts": self.share_prompts} if share is None else {
+            "share_prompts": share, "min_saving": 0.0}
         with self._autocast():
-            return token_logprobs(model, rows.input_ids, rows.attention_mask, rows.loss_mask,
-                                  chunk=self.logprob_chunk, temperature=self.temperature,
-                                  with_entropy=with_entropy, share_prompts=self.share_prompts)
+            return scorer(rows.input_ids, rows.attention_mask, rows.loss_mask,
+                          chunk=self.logprob_chunk, temperature=self.temperature,
+                          with_entropy=with_entropy, **options)
+
+    def _plan(self, batch: Batch, spare: Batch | None = None
+              ) -> list[tuple[torch.Tensor | None, Batch, float, bool | None]]:
+        """The micro-batches of `batch`: (row indices, the rows on the device, weight, share).
+        Learner ranks agree on their number and kind (`shards.Peers.plan`); a rank with
+        fewer runs one row of `spare` (default: `batch`) at weight 0."""
+        pieces = micro_batches(batch, self.micro_batch_tokens)
+        if self.peers is None:
+            return [(idx, take_rows(batch, idx, trim=True, device=self.device), 1.0, None)
+                    for idx in pieces]
+        spare = batch if spare is None else spare
+        votes = [share_vote(*self._masks(batch, idx)) if self.share_prompts else 0
+                 for idx in pieces]
+        extra = take_rows(spare, torch.arange(1), trim=True, device=self.device) \
+            if spare.num_rows else None
+        return [(idx if weight else None,
+                 take_rows(batch, idx, trim=True, device=self.device) if weight else extra,
+                 weight, share)
+                for idx, weight, share in self.peers.plan(pieces, votes, extra)]
+
+    @staticmethod
+    def _masks(batch: Batch, idx: torch.Tensor):
+        rows = take_rows(batch, idx, trim=True)
+        return rows.input_ids, rows.attention_mask, rows.loss_mask
 
     @torch.no_grad()
-    def _ref_logprobs(self, rows: Batch) -> torch.Tensor:
+    def _ref_logprobs(self, rows: Batch, share: bool | None = None) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._logprobs(self.ref_model, rows)
+            return self._logprobs(self.ref_model, rows, share=share)
         with self.model.disable_adapter():
-            return self._logprobs(self.model, rows)
+            return self._logprobs(self.model, rows, share=share)
 
     @torch.no_grad()
-    def _over_batch(self, batch: Batch, fn: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
-        """[N, L] values of `fn` on each micro-batch of `batch`, put back in row order."""
+    def _over_batch(self, batch: Batch, fn: Callable[[Batch, bool | None], torch.Tensor]
+                    ) -> torch.Tensor:
+        """[N, L] values of `fn(rows, share)` on each micro-batch of `batch`, in row order."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float64)
-        for idx in micro_batches(batch, self.micro_batch_tokens):
-            rows = take_rows(batch, idx, trim=True, device=self.device)
-            out[idx, : rows.loss_mask.shape[1]] = fn(rows).double().cpu()
+        for idx, rows, weight, share in self._plan(batch):
+            values = fn(rows, share)
+            if weight:
+                out[idx, : rows.loss_mask.shape[1]] = values.double().cpu()
         return out
 
     def reference_kl(self, batch: Batch) -> torch.Tensor:
@@ -148,8 +196,8 @@ class Learner:
         if self.kl_coef <= 0:
             raise ValueError("reference_kl needs kl_coef > 0 (no reference model otherwise)")
         self.model.eval()
-        return self._over_batch(batch, lambda rows: self.kl_fn(
-            rows.old_logprobs, self._ref_logprobs(rows).to(rows.old_logprobs.dtype)
+        return self._over_batch(batch, lambda rows, share: self.kl_fn(
+            rows.old_logprobs, self._ref_logprobs(rows, share).to(rows.old_logprobs.dtype)
         ) * rows.loss_mask)
 
     def _correct(self, batch: Batch) -> tuple[Batch, torch.Tensor | None, dict[str, float]]:
@@ -157,27 +205,41 @@ class Learner:
         if self.correction_fn is None:
             return batch, None, {}
         self.model.eval()  # no dropout in the recomputed log-probs
-        old = self._over_batch(batch, lambda rows: self._logprobs(self.model, rows))
+        old = self._over_batch(batch, lambda rows, share: self._logprobs(self.model, rows,
+                                                                         share=share))
         old = old.to(batch.old_logprobs.dtype) * batch.loss_mask
         weights, metrics = self.correction_fn(old, batch.old_logprobs, batch.loss_mask,
                                               **self.correction_options)
         corrected = dataclasses.replace(batch, old_logprobs=old)
+        if self.peers is not None:  # each rank's means, weighted by its rows
+            rows = self.peers.total({"rows": float(batch.num_rows)})["rows"]
+            metrics = {k: v / max(rows, 1.0) for k, v in self.peers.total(
+                {k: float(v) * batch.num_rows for k, v in metrics.items()}).items()}
         return corrected, weights, {f"correction_{k}": v for k, v in metrics.items()}
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step per PPO epoch over `batch`; returns averaged metrics."""
-        totals = {"num_tokens": max(batch.num_response_tokens, 1), "num_seqs": batch.num_rows}
+        """One optimizer step per PPO epoch over `batch`; returns averaged metrics. Learner
+        ranks each pass their share of one batch: the normalisers and figures are the
+        whole batch's."""
+        spare = batch  # (before rows are skipped: a rank keeps a row to run at weight 0)
+        counts = {"num_tokens": float(batch.num_response_tokens), "num_seqs": batch.num_rows}
+        if self.peers is not None:
+            counts = self.peers.total(counts)
+        totals = {"num_tokens": max(int(counts["num_tokens"]), 1),
+                  "num_seqs": int(counts["num_seqs"])}
         batch, skipped = self._active_rows(batch)  # correction weights are per row
+        rows = {"rows_trained": float(batch.num_rows), "rows_skipped_zero_adv": float(skipped)}
+        if self.peers is not None:
+            rows = self.peers.total(rows)
         batch, weights, correction = self._correct(batch)
         self.model.train()
         metrics: dict[str, float] = {}
         for _ in range(self.ppo_epochs):
-            metrics = self._step(batch, totals, weights)
+            metrics = self._step(batch, totals, weights, rows["rows_trained"], spare)
         self.model.eval()
         if self.release_memory:
             trim_heap()
-        return metrics | correction | {"rows_trained": float(batch.num_rows),
-                                       "rows_skipped_zero_adv": float(skipped)}
+        return metrics | correction | rows
 
     def _active_rows(self, batch: Batch) -> tuple[Batch, int]:
         """(the rows with a non-zero advantage, rows dropped) when skipping is on; the totals
@@ -191,13 +253,14 @@ class Learner:
             batch = take_rows(batch, torch.nonzero(live)[:, 0])
         return batch, dropped
 
-    def _penalties(self, logp, entropy, rows: Batch, totals: dict, sums: dict) -> torch.Tensor:
+    def _penalties(self, logp, entropy, rows: Batch, totals: dict, sums: dict,
+                   share: bool | None = None) -> torch.Tensor:
         """KL penalty + entropy bonus of one micro-batch, aggregated like the policy loss
         (normalised by batch totals, so micro-batch parts add up)."""
         agg = self.loss_options.get("aggregation", "token-mean")
         extra = torch.zeros((), dtype=logp.dtype, device=logp.device)
         if self.kl_loss_coef > 0:
-            kl = self.kl_fn(logp, self._ref_logprobs(rows))
+            kl = self.kl_fn(logp, self._ref_logprobs(rows, share))
             kl_loss = aggregate(kl, rows.loss_mask, agg,
                                 max_tokens=self.loss_options.get("max_tokens"), **totals)
             extra = extra + self.kl_loss_coef * kl_loss
@@ -209,31 +272,31 @@ class Learner:
             sums["entropy"] = sums.get("entropy", 0.0) + ent.item()
         return extra
 
-    def _step(self, batch: Batch, totals: dict, weights: torch.Tensor | None) -> dict[str, float]:
+    def _step(self, batch: Batch, totals: dict, weights: torch.Tensor | None,
+              rows_trained: float, spare: Batch) -> dict[str, float]:
+        """One optimizer step over `batch` (`rows_trained`: its rows on every rank;
+        `spare`: the rows a rank with fewer micro-batches than its peers runs at weight 0)."""
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0}  # skipped rows (if any) add exactly 0
         finite = True
-        for idx in micro_batches(batch, self.micro_batch_tokens):
-            rows = take_rows(batch, idx, trim=True, device=self.device)
-            entropy = None
-            if self.entropy_coef > 0:
-                logp, entropy = self._logprobs(self.model, rows, with_entropy=True)
-            else:
-                logp = self._logprobs(self.model, rows)
-            extra = {} if weights is None else {
-                "weights": weights[idx][:, : logp.shape[1]].to(self.device, logp.dtype)}
-            loss, m = self.loss_fn(logp, rows.old_logprobs, rows.advantages, rows.loss_mask,
-                                   **self.loss_options, **totals, **extra)
-            loss = loss + self._penalties(logp, entropy, rows, totals, sums)
-            if not torch.isfinite(loss):
-                finite = False
-                break
-            loss.backward()
-            share = len(idx) / batch.num_rows  # metrics: mean over the rows trained
+        plan = self._plan(batch, spare)
+        for idx, rows, weight, share in plan:
+            with shards.unsharded(self.scorer, keep=bool(share)):
+                loss, m = self._micro_loss(rows, idx, weight, share, totals, weights, sums)
+                if not torch.isfinite(loss):
+                    finite = False
+                    if self.peers is None:
+                        break
+                    loss = loss.nan_to_num(0.0) * 0  # its peers' collectives still run
+                loss.backward()
+            part = len(rows.input_ids) * weight / max(rows_trained, 1.0)  # mean over rows
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * share
-            sums["loss"] = sums.get("loss", 0.0) + loss.item()
-        if batch.num_rows == 0:  # every row skipped: Adam still steps, on zero gradients
+                sums[k] = sums.get(k, 0.0) + v * part
+            sums["loss"] = sums.get("loss", 0.0) + loss.item() * weight
+        if self.peers is not None:
+            finite = self.peers.largest(0.0 if finite else 1.0) == 0.0
+            sums = self.peers.total(sums)
+        if not plan:  # every row skipped: Adam still steps, on zero gradients
             for p in self.params:
                 p.grad = torch.zeros_like(p)
         grad_norm = self._clip()
@@ -249,9 +312,32 @@ class Learner:
         self.scheduler.step()
         return sums | {"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 0.0}
 
+    def _micro_loss(self, rows: Batch, idx: torch.Tensor | None, weight: float,
+                    share: bool | None, totals: dict, weights: torch.Tensor | None,
+                    sums: dict) -> tuple[torch.Tensor, dict]:
+        """The loss of one micro-batch (times `weight`) and the loss function's figures."""
+        entropy = None
+        if self.entropy_coef > 0:
+            logp, entropy = self._logprobs(self.model, rows, with_entropy=True, share=share)
+        else:
+            logp = self._logprobs(self.model, rows, share=share)
+        extra = {} if weights is None else {"weights": (
+            weights[idx][:, : logp.shape[1]].to(self.device, logp.dtype) if idx is not None
+            else torch.ones_like(logp))}
+        loss, m = self.loss_fn(logp, rows.old_logprobs, rows.advantages, rows.loss_mask,
+                               **self.loss_options, **totals, **extra)
+        penalty_sums: dict[str, float] = {}
+        loss = loss + self._penalties(logp, entropy, rows, totals, penalty_sums, share)
+        for k, v in penalty_sums.items():
+            sums[k] = sums.get(k, 0.0) + v * weight
+        return loss * weight if weight != 1.0 else loss, m
+
     def _clip(self) -> float:
         if self.grad_clip > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+            return shards.total_norm(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        if self.peers is not None:  # over every rank's shard
+            grads = [p.grad for p in self.params if p.grad is not None]
+            return shards.total_norm(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         grads = [p.grad.norm() for p in self.params if p.grad is not None]
         return float(torch.stack(grads).norm()) if grads else 0.0
 
@@ -273,12 +359,27 @@ class Learner:
     def close(self) -> None:
         pass
 
-    def state_dict(self) -> dict:
-        return {"optimizer": plain_state(self.optimizer.state_dict()),
-                "scheduler": self.scheduler.state_dict(), "nan_skips": self.nan_skips}
+    def state_dict(self, folder: Path | None = None) -> dict:
+        """The optimizer's state, the schedule's and the counters. Sharded (`peers`), each
+        rank writes its shard of the optimizer state into `folder` (a DCP checkpoint, which
+        any number of ranks can load) and the state names the folder."""
+        own = {"scheduler": self.scheduler.state_dict(), "nan_skips": self.nan_skips}
+        if self.peers is None:
+            return own | {"optimizer": plain_state(self.optimizer.state_dict())}
+        if folder is None:
+            raise ValueError("a sharded learner writes its optimizer state into a folder")
+        shards.save_optimizer(self.model, self.optimizer, folder)
+        return own | {"folder": str(folder)}
 
     def load_state_dict(self, state: dict) -> None:
-        load_plain_state(self.optimizer, state["optimizer"])
+        """A state of `state_dict`, from a learner of any number of ranks: a sharded one's
+        (`folder`) is resharded to this one's; a one-process one's is split over ranks."""
+        if "folder" in state:
+            shards.load_optimizer(self.model, self.optimizer, Path(state["folder"]))
+        elif self.peers is not None:
+            shards.load_full_optimizer(self.model, self.optimizer, state["optimizer"])
+        else:
+            load_plain_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skips = state.get("nan_skips", 0)
 

@@ -96,8 +96,11 @@ def backbone_and_head(model):
     return base.get_decoder(), base.get_output_embeddings().weight
 
 
+MIN_SAVING = 0.2  # prompts are shared when that saves at least this share of the tokens
+
+
 def _shared_prefix_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        loss_mask: torch.Tensor, min_saving: float = 0.2):
+                        loss_mask: torch.Tensor, min_saving: float = MIN_SAVING):
     """How rows share prompts: (prefix ids [G, K], prefix mask [G, K], group of each row [N],
     prefix length of each row [N]), or None when sharing would save less than `min_saving`
     of the tokens (or a row has no response token). Row r's prefix is everything before the
@@ -173,19 +176,44 @@ def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
+def share_vote(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               loss_mask: torch.Tensor) -> int:
+    """Whether these rows share their prompts: 2 when that saves `MIN_SAVING` of the tokens,
+    1 when they could (every row has a response token after a prompt), 0 when they cannot.
+    Learner ranks vote with it, so that all run a micro-batch the same way."""
+    if _shared_prefix_plan(input_ids, attention_mask, loss_mask) is not None:
+        return 2
+    return int(_shared_prefix_plan(input_ids, attention_mask, loss_mask, 0.0) is not None)
+
+
+class TokenLogprobs(torch.nn.Module):
+    """`token_logprobs` of `model` as a module: a sharded learner shards it as its root, so
+    that the output layer's weight is gathered around the whole computation."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, loss_mask, **options):
+        return token_logprobs(self.model, input_ids, attention_mask, loss_mask, **options)
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    loss_mask: torch.Tensor, *, chunk: int = 1024, temperature: float = 1.0,
-                   with_entropy: bool = False,
-                   share_prompts: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   with_entropy: bool = False, share_prompts: bool = True,
+                   min_saving: float = MIN_SAVING
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[N, L] log pi(input_ids[t] | input_ids[<t]) where loss_mask[t] is 1, else 0; with
     `with_entropy`, also [N, L] the entropy of pi(. | input_ids[<t]) at those positions.
+    `min_saving`: the share of tokens sharing must save (0: share whenever rows can).
 
     Right-padded rows (prompt, response, padding); position 0 is never a response token.
     The entropy costs one extra reduction per chunk and is skipped unless asked for. With
     `share_prompts`, rows with the same prompt run it once (module docstring).
     """
     decoder, weight = backbone_and_head(model)
-    plan = _shared_prefix_plan(input_ids, attention_mask, loss_mask) if share_prompts else None
+    plan = _shared_prefix_plan(input_ids, attention_mask, loss_mask, min_saving) \
+        if share_prompts else None
     if plan is not None:
         h, targets, where = _hidden_shared(decoder, input_ids, attention_mask, loss_mask, plan)
     else:

@@ -136,8 +136,11 @@ def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,
         rollout, trainer, connection = place_on_ray(cfg, policy, precision, scoring.specs,
                                                     scoring.timeout_s)
         return rollout, trainer, [connection], None
+    # the learner first: sharded, its ranks share the driver's weights, moved to shared
+    # memory before any engine reads them
+    learner = _learner(cfg, policy, precision)
     if cfg.engine.name == "remote":  # the servers roll out; the evaluator has its own engine
-        rollout, trainer = place_remote(cfg, policy, precision, train_pool.score, task)
+        rollout, trainer = place_remote(cfg, policy, precision, train_pool.score, task, learner)
         return rollout, trainer, [train_pool], None
     own = overlaps_in_process(cfg)  # the engine keeps a copy the trainer cannot change
     rollout = build_rollout_stage(cfg, policy, precision, train_pool.score, task=task,
@@ -145,8 +148,16 @@ def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,
                                   own_weights=own)
     # the evaluator reads the rollout engine's weights, unless that engine generates
     # while the trainer trains: then it has its own, on the trainer's thread
-    return (rollout, build_learner(cfg, policy, precision), [train_pool],
-            None if own else rollout.engine)
+    return rollout, learner, [train_pool], None if own else rollout.engine
+
+
+def _learner(cfg: Config, policy: Policy, precision: PrecisionChoice):
+    """The learner in this process, or learner.shards ranks started by it."""
+    if cfg.learner.shards == 1:
+        return build_learner(cfg, policy, precision)
+    from rollwise.distributed.shards import start_local
+
+    return start_local(cfg, policy.model, precision)
 
 
 def _sft(cfg: Config, precision: PrecisionChoice) -> tuple[str, SftSettings] | None:
