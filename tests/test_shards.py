@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +33,7 @@ from rollwise.distributed.shards import LearnerDied, _Model, split_rows, start_l
 from rollwise.learner.batch import collate
 from rollwise.learner.checkpoint import load_checkpoint, save_checkpoint
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 K, LR = 5, 1e-3
 THETA_BOUND = K * LR * 10 * 2 * 1.1e-10  # module docstring
 FIGURE_RTOL = 1e-9
@@ -139,3 +144,52 @@ def test_split_rows_balances_tokens_and_keeps_groups_whole(make_trajectory) -> N
 def test_bad_shard_settings_fail_before_the_model_loads(settings, message) -> None:
     with pytest.raises((ConfigError, ValueError), match=message):
         check_config(validate_config(settings))
+
+
+def _train_command(root, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rollwise", "train", str(CONFIGS / "tiny_arith.toml"),
+            "--set", "run.num_steps=8", "--set", "learner.shards=2", "--set", "eval.every=0",
+            "--set", "eval.before=false", "--set", "task.num_eval=16",
+            "--set", "run.checkpoint_every=1", "--set", f"run.output_dir={root}",
+            "--set", "run.threads=2", *extra]
+
+
+def _rank_pids(parent: int) -> list[int]:
+    """The learner ranks among `parent`'s children (spawned: multiprocessing's spawn_main)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return sorted(int(c) for c in children
+                  if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_run_and_resume_continues_exactly(tmp_path) -> None:
+    """A rank SIGKILLed mid-run: the driver exits with an error naming the rank, within
+    seconds; `--resume` then finishes a run equal to an uninterrupted one (metrics,
+    every trajectory once, counters)."""
+    from crashtest import compare, read_run
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ref = subprocess.run(_train_command(tmp_path / "ref"), env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    victim = subprocess.Popen(_train_command(tmp_path / "victim"), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = tmp_path / "victim" / "tiny_arith" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and victim.poll() is None:
+        if metrics.is_file() and metrics.read_text().count('"train"') >= 2:
+            break
+        time.sleep(0.02)
+    ranks = _rank_pids(victim.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    killed = time.monotonic()
+    out, _ = victim.communicate(timeout=120)
+    assert victim.returncode != 0 and time.monotonic() - killed < 60
+    assert re.search(r"learner rank [01] of 2 failed during '\w+'", out), out[-2000:]
+    resumed = subprocess.run([sys.executable, "-m", "rollwise", "train", "--resume",
+                              str(tmp_path / "victim" / "tiny_arith")], env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert compare(tmp_path / "victim" / "tiny_arith",
+                   read_run(tmp_path / "ref" / "tiny_arith")) == []

@@ -111,7 +111,7 @@ def build(cfg: Config, rewards: Rewards | None = None, *,
         parameters=sum(p.numel() for p in policy.model.parameters()),
         trainable_parameters=sum(p.numel() for p in policy.model.parameters()
                                  if p.requires_grad),
-        precision=precision.record(), precision_line=precision.line(),
+        precision=precision.record(), precision_line=precision.line() + _shards_line(cfg),
         allocator=allocator_in_use(),
         placement=_placement(cfg),
         task={**{k: v for _, x in scoring.extra for k, v in x.info.items()}, **task.info})
@@ -169,13 +169,22 @@ def _sft(cfg: Config, precision: PrecisionChoice) -> tuple[str, SftSettings] | N
                                bf16_autocast=precision.learner == "bf16-autocast")
 
 
+def _shards_line(cfg: Config) -> str:
+    n = cfg.learner.shards
+    if n == 1:
+        return ""
+    comm = "NCCL" if cfg.run.device.startswith("cuda") else "gloo"
+    return f"\nlearner: {n} ranks, FSDP2 over {comm} ({cfg.run.backend} processes)"
+
+
 def _placement(cfg: Config) -> dict[str, Any]:
     """Where the ports run, for the run's summary."""
+    shards = {"learner_shards": cfg.learner.shards} if cfg.learner.shards > 1 else {}
     if cfg.run.backend == "ray":
-        return {"backend": "ray", "rollout_workers": cfg.ray.num_workers}
+        return {"backend": "ray", "rollout_workers": cfg.ray.num_workers} | shards
     if cfg.engine.name == "remote":
-        return {"rollout": "remote", "remote_servers": len(cfg.engine.remote_urls)}
-    return {}
+        return {"rollout": "remote", "remote_servers": len(cfg.engine.remote_urls)} | shards
+    return shards
 
 
 def _scoring(cfg: Config, task: Task, rewards: Rewards | None) -> _Scoring:
