@@ -207,3 +207,19 @@ def test_unreachable_address_fails_fast_and_missing_ray_names_the_install(monkey
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(ConfigError, match=r"pip install 'rollwise\[ray\]'"):
         connect(None)
+
+
+@pytest.mark.slow
+def test_sharded_learner_on_ray_trains_as_the_local_ranks(tmp_path):
+    """learner.shards = 2 as two Ray actors of a placement group: the same figures at every
+    step as the two ranks the local backend starts, and a killed rank is named."""
+    shards = ["learner.shards=2", "ray.learner_cpus=0.5"]
+    cfg = small(tmp_path, *shards)
+    run_config(cfg, "local", stages=build(cfg))
+    run_config(small(tmp_path, "run.backend='ray'", *shards), "ray")
+    a, b = records(tmp_path / "local"), records(tmp_path / "ray")
+    assert [r["kind"] for r in a] == [r["kind"] for r in b]
+    for x, y in zip(a, b):
+        keys = {k for k in set(x) & set(y) if not any(t in k for t in TIMING)}
+        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, (x["kind"], x["step"])
+    assert all(r["learner_ranks"] == 2 for r in records(tmp_path / "ray", "train"))

@@ -305,8 +305,10 @@ class RayConfig(Section):
         1, ge=1, description="Rollout worker actors (each its own engine); a step's prompts "
         "are split between them.")
     worker_cpus: float = Field(
-        1.0, gt=0, description="CPUs Ray reserves for each rollout worker (the learner actor "
-        "reserves 1).")
+        1.0, gt=0, description="CPUs Ray reserves for each rollout worker.")
+    learner_cpus: float = Field(
+        1.0, gt=0, description="CPUs Ray reserves for the learner actor, or for each learner "
+        "rank (learner.shards > 1: a bundle of one placement group each).")
 
 
 class AlgorithmConfig(Section):

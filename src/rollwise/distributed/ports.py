@@ -30,6 +30,7 @@ import threading
 from typing import Any
 
 from rollwise.distributed.actors import load_plain, to_plain
+from rollwise.distributed.shards import LearnerDied
 from rollwise.rewards import RewardStats
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.strategy import strategy
@@ -44,10 +45,6 @@ def _referenced(weights: Published) -> Published:
         raise ValueError("the trainer published no object store reference for the workers "
                          "(run.backend='ray' needs the Ray learner's publication)")
     return weights
-
-
-class LearnerDied(RuntimeError):
-    """The learner actor is gone: the run stops; its last checkpoint is intact."""
 
 
 class RayRollout:
@@ -245,14 +242,38 @@ def place_on_ray(cfg, policy, precision, specs, timeout_s: float,
         max_task_retries=RESTARTS, max_concurrency=2, runtime_env=env).remote(
             data, policy_ref, precision, reward, threads)
         for _ in range(r.num_workers)]
-    learner = ray.remote(_actor("LearnerWorker")).options(
-        num_cpus=1, num_gpus=gpus, max_restarts=0, runtime_env=env).remote(
-        data, policy_ref, precision, cfg.run.threads or 1)
-    ray.get(learner.pid.remote())  # constructed (a bad config fails here, not mid-step)
     numbered = not strategy(cfg.schedule.strategy).pools_partials
     rollout = RayRollout(ray, workers, reward, numbered=numbered,
                          version=0, policy_ref=policy_ref)
+    if cfg.learner.shards > 1:
+        trainer = _sharded_trainer(ray, cfg, policy, policy_ref, precision, env)
+        return rollout, trainer, RayConnection(ray, started)
+    learner = ray.remote(_actor("LearnerWorker")).options(
+        num_cpus=r.learner_cpus, num_gpus=gpus, max_restarts=0, runtime_env=env).remote(
+        data, policy_ref, precision, cfg.run.threads or 1)
+    ray.get(learner.pid.remote())  # constructed (a bad config fails here, not mid-step)
     return rollout, RayTrainer(ray, learner, policy.model), RayConnection(ray, started)
+
+
+def _sharded_trainer(ray, cfg, policy, policy_ref, precision, env):
+    """learner.shards ranks as actors of a placement group; each publication puts the
+    driver's copy (which the ranks just wrote their rows into) once into the object store."""
+    from rollwise.distributed.actors import to_plain
+    from rollwise.distributed.shards import RayRanks, ShardedTrainer
+
+    lc = cfg.learner
+    ranks = RayRanks(ray, cfg.model_dump(), policy_ref, precision, lc.shards,
+                     threads=cfg.run.threads or 1, timeout_s=lc.shard_timeout_s,
+                     cpus=cfg.ray.learner_cpus,
+                     gpus=1 if cfg.run.device.startswith("cuda") else 0, runtime_env=env)
+
+    def handoff(version: int) -> Published:
+        state = to_plain(policy.model.state_dict())
+        nbytes = sum(getattr(v, "nbytes", 0) or v.numel() * v.element_size()
+                     for v in state.values())
+        return Published(version, ray.put(state), nbytes)
+
+    return ShardedTrainer(ranks, policy.model, handoff)
 
 
 def _actor(name: str):
