@@ -193,3 +193,59 @@ def test_a_killed_rank_stops_the_run_and_resume_continues_exactly(tmp_path) -> N
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert compare(tmp_path / "victim" / "tiny_arith",
                    read_run(tmp_path / "ref" / "tiny_arith")) == []
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj",
+                                                                                "v_proj"]))
+    with torch.no_grad():  # lora_B starts at 0: move it, so that A's gradients are not 0
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return peft
+
+
+# (learner settings, model dtype, LoRA, learner precision, bound on max |dtheta|, and on the
+# per-step figures' relative difference)
+BF16 = 2.0**-8
+SHARED64 = K * LR * 10 * 2 * (1.2e-7 * 1e3)  # HF's shared-prompt path rounds to float32
+VARIANTS = {
+    "lora": ({"share_prompts": False}, torch.float64, True, "float32", THETA_BOUND, FIGURE_RTOL),
+    "checkpointing": ({"share_prompts": False, "activation_checkpointing": True},
+                      torch.float64, False, "float32", THETA_BOUND, FIGURE_RTOL),
+    "shared-prompts": ({"share_prompts": True}, torch.float64, False, "float32", SHARED64,
+                       1e-5),
+    # bfloat16 products: figures to (layers + 2) * sqrt(width) * 2^-8; the weights only to
+    # Adam's step size (a bfloat16-rounded gradient can flip a small one's sign)
+    "bf16-autocast": ({"share_prompts": False}, torch.float32, False, "bf16-autocast",
+                      K * LR * 2, 4 * 32**0.5 * BF16),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_two_ranks_update_as_one_process_variants(tiny_llama, make_trajectory, variant) -> None:
+    settings, dtype, lora, learner_precision, theta_bound, rtol = VARIANTS[variant]
+    cfg = _cfg(**settings)
+    precision = PrecisionChoice("float32", learner_precision, "none", EXPLICIT)
+    base = tiny_llama(dtype)
+    one_model = _lora(base) if lora else base
+    two_model = copy.deepcopy(one_model)
+    one = build_learner(cfg, _Model(one_model), precision)
+    two = start_local(cfg, two_model, precision)
+    try:
+        for step in range(K):
+            batch = _batch(make_trajectory, step)
+            a, b = one.update(batch), two.update(batch)
+            two.publish(step + 1)
+            for key in ("loss", "grad_norm", "kl"):
+                assert _close(a[key], b[key], rtol), (step, key, a[key], b[key])
+        trained = [(n, p) for n, p in one_model.named_parameters() if p.requires_grad]
+        other = dict(two_model.named_parameters())
+        worst = max(float((p - other[n]).detach().abs().max()) for n, p in trained)
+        assert worst <= theta_bound, worst
+    finally:
+        two.close()
