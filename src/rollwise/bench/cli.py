@@ -229,9 +229,22 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
             variant: Annotated[list[str] | None, typer.Option(
                 help="Variants to time (repeatable; default all): float32, float32-unshared, "
                 "float32+tis, bf16-autocast, bf16-autocast+tis.")] = None,
-            device: DeviceOpt = "cpu"):
+            device: DeviceOpt = "cpu",
+            shards: Annotated[list[int] | None, typer.Option(
+                "--shards", help="Compare the learner over these numbers of FSDP2 ranks "
+                "(repeatable: --shards 1 --shards 2): per-rank bytes, update and publication "
+                "time (docs/scaling.md).")] = None,
+            engine_dtype: Annotated[str, typer.Option(
+                help="With --shards: the rollout engine's dtype the publication installs "
+                "into (float32, bfloat16, int8).")] = "float32"):
     """One learner update on a fixed batch: float32 vs bfloat16 autocast (+ TIS), prompts
-    shared or not."""
+    shared or not; with --shards, one process against N ranks."""
+    if shards:
+        from rollwise.bench import shards as bs
+
+        bs.command(model=model, json=json, reps=reps, threads=threads, shards=shards,
+                   engine_dtype=engine_dtype)
+        return
     from rollwise.bench import learner as bl
 
     bl.command(model=model, json=json, reps=reps, threads=threads, variant=variant, device=device)

@@ -88,10 +88,17 @@ class RankWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def update(self, batch: Batch) -> tuple[dict[str, float], float]:
+    def update(self, batch: Batch) -> tuple[dict[str, float], float, float]:
+        """The update's figures, its seconds, and the MiB it added to this process's peak
+        resident set (activations and workspace; the gradients at a run's first update)."""
+        from rollwise.system.runtime import rss_peak
+
+        with rss_peak() as before:
+            pass
         start = time.perf_counter()
-        out = self.learner.update(batch)
-        return out, time.perf_counter() - start
+        with rss_peak() as peak:
+            out = self.learner.update(batch)
+        return out, time.perf_counter() - start, peak["mb"] - before["mb"]
 
     def reference_kl(self, batch: Batch) -> torch.Tensor:
         return self.learner.reference_kl(batch)
@@ -398,7 +405,8 @@ class ShardedTrainer:
     def update(self, batch: Batch) -> dict[str, float]:
         replies = self.ranks.call("update", [(part,) for _, part in self._parts(batch)])
         metrics = replies[0][0]  # every rank reports the whole batch's (summed) figures
-        return metrics | {"learner_update_seconds": max(busy for _, busy in replies),
+        return metrics | {"learner_update_seconds": max(r[1] for r in replies),
+                          "learner_rank_added_rss_mb": max(r[2] for r in replies),
                           "learner_ranks": float(self.world)}
 
     def reference_kl(self, batch: Batch) -> torch.Tensor:
