@@ -14,7 +14,11 @@ Steps (each timed, each a row of the summary; a failed step is recorded and the 
    engine before the static step) and Hugging Face generate; the 1.5B shape in float32 and
    bfloat16; decode step time, launches per decode step and GPU busy share (profiler);
 4. train: 3 steps of the quickstart on the 135M shape (`run.device`);
-5. serve: `rollwise serve --device` answering the openai client.
+5. serve: `rollwise serve --device` answering the openai client;
+6. shards: the learner sharded with FSDP2 over NCCL, one rank a GPU (world size 1 on one
+   GPU, 2 where two are lent), on the 1.5B shape with bfloat16 mixed precision, 3 updates,
+   then the publication gathered into rank 0's copy and installed by the engine
+   (scripts/shard_check.py; on a CPU: gloo, 2 ranks, the 135M shape).
 Writes OUT/gpu_check.json (every figure) and prints one summary table.
 """
 
@@ -160,6 +164,11 @@ def summary_rows(report: dict) -> list[tuple[str, str, str]]:
             if f"greedy_identical_{d}" in checks:
                 rows.append((f"{name} {d} parity", f"greedy {checks[f'greedy_identical_{d}']:.0%}",
                              f"max |dlogp| {checks[f'max_logprob_error_{d}']:.1e}"))
+    for r in report.get("shards", {}).get("results", []):
+        rows.append((f"shards rank {r['rank']}/{report['shards']['ranks']}",
+                     f"{min(r['update_s']):.2f} s/update",
+                     f"publish {r['publish_s']:.2f} s, peak {r['peak_device_mb']} MB, "
+                     f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"))
     return rows
 
 
@@ -171,7 +180,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "gpu_check_out")))
     ap.add_argument("--tokenizer", default=str(ROOT / ".gpu" / "tokenizer"))
     ap.add_argument("--skip", action="append", default=[],
-                    help="steps to leave out: tests, bench, large, train, serve")
+                    help="steps to leave out: tests, bench, large, train, serve, shards")
     args = ap.parse_args()
     args.batch, args.tokens, args.reps = (16, 16, 1) if args.small else (256, 128, 3)
     args.step_timeout = 600 if args.small else 240
@@ -242,6 +251,14 @@ def main() -> int:
              "--set", f"run.output_dir='{out / 'runs'}'"], out / "train.log",
             args.step_timeout, {"ROLLWISE_NO_PROGRESS": "1"}))))
         step("serve", lambda: serve_check(m, out, args.device, 120))
+    shape = "smollm2-135m" if args.small or "large" in args.skip else "qwen2-1.5b"
+    step("shards", lambda: dict(zip(("code", "tail"), run(
+        [sys.executable, "scripts/shard_check.py", "--device", args.device, "--shape", shape,
+         "--out", str(out)] + (["--rows", "16", "--prompt", "16", "--response", "16",
+                                "--updates", "2"] if args.small else []),
+        out / "shards.log", args.step_timeout, {"PYTHONUNBUFFERED": "1"}))))
+    if (out / "shard_check.json").is_file():
+        report["shards"] = json.loads((out / "shard_check.json").read_text())
     rows = summary_rows(report)
     width = max(len(r[0]) for r in rows) if rows else 10
     print(f"\nrollwise GPU check on {report.get('gpu', args.device)} "

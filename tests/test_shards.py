@@ -249,3 +249,34 @@ def test_two_ranks_update_as_one_process_variants(tiny_llama, make_trajectory, v
         assert worst <= theta_bound, worst
     finally:
         two.close()
+
+
+@pytest.mark.slow
+def test_torchrun_launch_trains_as_the_local_ranks(tmp_path) -> None:
+    """`torchrun --nproc-per-node 2 -m rollwise train CONFIG`: rank 0 drives, rank 1 serves
+    the learner; every figure of every step equals the run whose driver started its two
+    ranks itself."""
+    from crashtest import read_run
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    steps = ["--set", "run.num_steps=3"]
+    local = subprocess.run(_train_command(tmp_path / "local", *steps), env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert local.returncode == 0, local.stderr[-2000:]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+              "--master-port", str(_free_port()), "-m", "rollwise"]
+    command = _train_command(tmp_path / "torchrun", *steps)
+    ran = subprocess.run(launch + command[3:], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, (ran.stdout[-2000:], ran.stderr[-2000:])
+    a, _, _ = read_run(tmp_path / "local" / "tiny_arith")
+    b, _, _ = read_run(tmp_path / "torchrun" / "tiny_arith")
+    assert len(a) == len(b) and a == b
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

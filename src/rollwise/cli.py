@@ -150,6 +150,10 @@ def _open_run(config: Path | None, set_: list[str], resume: Path | None, allow_c
         if config is None:
             _fail("give a config file, e.g. rollwise train configs/tiny_arith.toml")
         cfg = load_config(config, set_)
+    from rollwise.pipeline.launch import serve_learner_rank
+
+    if serve_learner_rank(cfg):  # a torchrun rank other than 0: it served rank 0's learner
+        raise typer.Exit(0)
     preload_allocator(cfg.run.allocator)  # may run this command again, with jemalloc
     opened = open_run(cfg, resume=resume, allow_changes=allow_changes,
                       echo=lambda s: console.print(s, highlight=False, soft_wrap=True),

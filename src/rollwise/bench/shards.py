@@ -29,7 +29,7 @@ def _config(model: str, shards: int, threads: int):
 
     return validate_config({"model": {"name": model}, "run": {"threads": threads},
                             "learner": {"lr": 1e-5, "skip_zero_advantage": False,
-                                        "shards": shards}})
+                                        "shards": shards, "release_memory": True}})
 
 
 class _Side:

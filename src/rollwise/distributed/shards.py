@@ -71,7 +71,10 @@ class RankWorker:
     weights travel as arrays (Ray)."""
 
     def __init__(self, cfg_data: dict, model, precision, rank: int, world: int, address: str,
-                 threads: int, shared: bool):
+                 threads: int, shared: bool, gather: bool = False,
+                 into: dict[str, torch.Tensor] | None = None):
+        """`gather`: publications gather each weight whole, one at a time, on every rank,
+        and copy it into `into` where given (torchrun's rank 0: the driver's copy)."""
         from rollwise.compose.config import validate_config
         from rollwise.compose.parts import build_learner
         from rollwise.system.runtime import configure as configure_runtime
@@ -83,6 +86,7 @@ class RankWorker:
         self.peers = shards.init_ranks(rank, world, address, cfg.run.device,
                                        cfg.learner.shard_timeout_s)
         self.full = dict(model.state_dict()) if shared else None
+        self.gather, self.into = gather, into
         self.learner = build_learner(cfg, _Model(model), precision, peers=self.peers)
 
     def pid(self) -> int:
@@ -105,7 +109,11 @@ class RankWorker:
 
     def publish(self):
         """This rank's rows of every trained weight: written into the driver's copy (None
-        returned), or returned for the driver to place."""
+        returned), or returned for the driver to place; gathered, into the driver's copy
+        on rank 0 (None returned)."""
+        if self.gather:
+            shards.gather_full(self.learner.model, self.into)
+            return None
         if self.full is not None:
             shards.write_full(self.learner.model, self.full)
             return None

@@ -76,9 +76,8 @@ class Learner:
         its updates rounded stochastically (`seed` seeds it) or, `master_rounding`
         "compensated", kept by an int8 residual each (learner/stochastic.py).
         `release_memory`: gradients freed after each step, freed heap memory given back.
-        `peers`: this process is one of several learner ranks (a process group joined
-        before): the model, and the reference copy, are sharded over them with FSDP2 and
-        each rank updates on its share of a batch (learner/shards.py)."""
+        `peers`: one of several learner ranks; the model is sharded over them with FSDP2,
+        each trains on its share of a batch (learner/shards.py)."""
         if master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"learner.master_dtype must be float32 or bfloat16, not "
                              f"'{master_dtype}'")
@@ -88,19 +87,7 @@ class Learner:
         self.model, self.peers = model, peers
         if activation_checkpointing:
             enable_checkpointing(model)
-        self.ref_model = None
-        if kl_coef > 0 and not hasattr(model, "disable_adapter"):
-            self.ref_model = reference_copy(model, precision)
-        # the policy (and the reference) as modules computing log-probs: a sharded learner
-        # shards them as roots around the decoder layers
-        self.scorer = TokenLogprobs(model)
-        self.ref_scorer = TokenLogprobs(self.ref_model) if self.ref_model is not None else None
-        if peers is not None:
-            device = str(next(model.parameters()).device)
-            mixed = device.startswith("cuda") and precision == "bf16-autocast"
-            for scorer in filter(None, (self.scorer, self.ref_scorer)):
-                shards.shard(scorer, list(backbone_and_head(scorer.model)[0].layers), device,
-                             mixed_bf16=mixed)
+        self._scorers(model, precision, kl_coef)
         self.share_prompts = share_prompts and not activation_checkpointing
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -124,11 +111,26 @@ class Learner:
                                     and self.kl_loss_coef == 0 and entropy_coef == 0)
         self.rows_skipped = 0  # zero-advantage rows not run through the model, all steps
         # the version last published and the one `sync_into` last reported
-        self._published: int | None = None
-        self._synced: int | None = None
+        self._published, self._synced = None, None
         self.nan_skips = 0  # updates skipped for a non-finite loss or gradient
         self.release_memory = release_memory
         self.device = self.params[0].device
+
+    def _scorers(self, model, precision: str, kl_coef: float) -> None:
+        """The policy (and the KL reference: LoRA's base, else a frozen copy) as modules
+        computing log-probs; a sharded learner shards them as roots around their decoder
+        layers."""
+        self.ref_model = None
+        if kl_coef > 0 and not hasattr(model, "disable_adapter"):
+            self.ref_model = reference_copy(model, precision)
+        self.scorer = TokenLogprobs(model)
+        self.ref_scorer = TokenLogprobs(self.ref_model) if self.ref_model is not None else None
+        if self.peers is not None:
+            device = str(next(model.parameters()).device)
+            mixed = device.startswith("cuda") and precision == "bf16-autocast"
+            for scorer in filter(None, (self.scorer, self.ref_scorer)):
+                shards.shard(scorer, list(backbone_and_head(scorer.model)[0].layers), device,
+                             mixed_bf16=mixed)
 
     def _autocast(self):
         if self.precision == "bf16-autocast" and not (self.peers and self.device.type == "cuda"):

@@ -98,6 +98,8 @@ def init_ranks(rank: int, world: int, address: str, device: str, timeout_s: floa
     that wait longer than `timeout_s` fail instead of hanging."""
     import torch.distributed as dist
 
+    if dist.is_initialized():  # joined before (torchrun: the config came over the group)
+        return Peers(rank, world, device)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -218,6 +220,23 @@ def read_full(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
         local.copy_(source)
 
 
+@torch.no_grad()
+def gather_full(model: torch.nn.Module, into: dict[str, torch.Tensor] | None) -> None:
+    """Every trainable weight gathered whole (a collective: every rank, the same order),
+    one at a time, and copied into `into` where given (rank 0's whole copy)."""
+    from torch.distributed.tensor import DTensor
+
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if into is not None:
+            into[name].copy_(full)
+        del full
+
+
 def shard_arrays(model: torch.nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
     """name -> (first row, this rank's rows) of each trainable parameter: what a rank in
     another process sends for the driver to place into its full copy."""
@@ -293,7 +312,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def held_bytes(learner) -> dict[str, float]:
     """Bytes of the trained weights, their gradients and the optimizer state this process
-    holds (its shards when sharded; frozen weights, e.g. LoRA's base, under `frozen`)."""
+    holds (its shards when sharded; frozen weights, e.g. LoRA's base, under `frozen`). The
+    gradients are counted as an update holds them, one per trained weight (freed after it
+    with `release_memory`)."""
     def size(t) -> int:
         t = _local(t)
         return t.numel() * t.element_size()
@@ -305,8 +326,8 @@ def held_bytes(learner) -> dict[str, float]:
             continue
         seen.add(id(p))
         out["parameters" if p.requires_grad else "frozen"] += size(p)
-        if p.grad is not None:
-            out["gradients"] += size(p.grad)
+        if p.requires_grad:
+            out["gradients"] += size(p)
     for state in learner.optimizer.state.values():
         out["optimizer"] += sum(size(v) for v in state.values() if isinstance(v, torch.Tensor))
     return {k: float(v) for k, v in out.items()}

@@ -153,6 +153,10 @@ def _place(cfg: Config, policy: Policy, precision: PrecisionChoice, task: Task,
 
 def _learner(cfg: Config, policy: Policy, precision: PrecisionChoice):
     """The learner in this process, or learner.shards ranks started by it."""
+    from rollwise.distributed import torchrun
+
+    if torchrun.launched():  # this is rank 0 of a torchrun launch
+        return torchrun.start(cfg, policy.model, precision)
     if cfg.learner.shards == 1:
         return build_learner(cfg, policy, precision)
     from rollwise.distributed.shards import start_local

@@ -221,3 +221,15 @@ def train_run(opened: Opened) -> dict:
                      checkpoint_seconds=cfg.run.checkpoint_minutes * 60, steps=run_steps(cfg))
     finally:
         stages.close()
+
+
+def serve_learner_rank(cfg: Config) -> bool:
+    """Under torchrun, ranks 1..N-1 only serve rank 0's learner (distributed/torchrun.py):
+    True once this process did so, False for rank 0 and any other launch."""
+    from rollwise.distributed import torchrun
+
+    launch = torchrun.launched()
+    if not launch or launch[0] == 0:
+        return False
+    torchrun.serve(cfg.learner.shard_timeout_s, cfg.run.device)
+    return True

@@ -7,6 +7,10 @@ the choice, so the drivers never ask where anything runs.
     rollout    rollout.RolloutStage              RayRollout: rollout workers + a reward actor
     trainer    learner.Learner                   RayTrainer: a learner actor
 
+With learner.shards = N the trainer is `distributed.shards.ShardedTrainer` over N ranks
+(processes this one starts, Ray actors, or torchrun's processes): the same port, its
+publication the driver's copy of the weights, which the ranks bring to the new version.
+
 Inference servers in other processes are one more placement (engine.name = 'remote',
 docs/remote.md): `rollout.RemoteRollout` sends each group to a server, and the trainer is
 the learner in this process as `learner.FileTrainer`, whose publications are folders of
