@@ -63,7 +63,7 @@ class _Side:
         with rss_peak() as peak:
             out = self.trainer.update(self.batch)
         seconds = time.perf_counter() - start
-        added = out.get("learner_rank_added_rss_mb", peak["mb"] - before["mb"])
+        added = out.get("learner_rank_peak_rss_added_mb", peak["mb"] - before["mb"])
         return seconds, added
 
     def publish(self) -> float:

@@ -414,7 +414,7 @@ class ShardedTrainer:
         replies = self.ranks.call("update", [(part,) for _, part in self._parts(batch)])
         metrics = replies[0][0]  # every rank reports the whole batch's (summed) figures
         return metrics | {"learner_update_seconds": max(r[1] for r in replies),
-                          "learner_rank_added_rss_mb": max(r[2] for r in replies),
+                          "learner_rank_peak_rss_added_mb": max(r[2] for r in replies),
                           "learner_ranks": float(self.world)}
 
     def reference_kl(self, batch: Batch) -> torch.Tensor:
