@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -48,13 +49,14 @@ def _batch(vocab: int, rows: int, prompt: int, response: int):
     from rollwise.types import Sample, Trajectory
 
     gen = torch.Generator().manual_seed(1)
+    old = -math.log(vocab)  # a random-init model's log-prob of a token: ratios start near 1
     trajs = []
     for g in range(rows // 8):
         p = torch.randint(4, vocab, (prompt,), generator=gen).tolist()
         for _ in range(8):
             r = torch.randint(4, vocab, (response,), generator=gen).tolist()
             trajs.append(Trajectory(sample=Sample(id=str(g), prompt="", answer=""),
-                                    prompt_ids=p, response_ids=r, logprobs=[-2.0] * response,
+                                    prompt_ids=p, response_ids=r, logprobs=[old] * response,
                                     versions=[0] * response, finish_reason="stop"))
     adv = torch.randn(len(trajs), generator=gen)
     return collate(trajs, adv, torch.arange(len(trajs)) // 8, pad_id=0)
@@ -157,7 +159,7 @@ def main() -> int:
     (out / "shard_check.json").write_text(json.dumps(report, indent=1))
     for r in results:
         print(f"rank {r['rank']}: update {min(r['update_s']):.2f}s, publish {r['publish_s']:.2f}s"
-              f", loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, held {r['held_mb']}, "
+              f", loss {r['losses'][0]:.6f} -> {r['losses'][-1]:.6f}, held {r['held_mb']}, "
               f"peak {r['peak_device_mb']}")
     return 0 if report["learns"] else 1
 
