@@ -56,10 +56,10 @@ def _batch(make_trajectory, seed: int, groups: int = 4, size: int = 4, vocab: in
     return collate(trajs, torch.randn(len(trajs), generator=gen), torch.tensor(gids), pad_id=0)
 
 
-def _cfg(**learner):
+def _cfg(algorithm: dict | None = None, **learner):
     return validate_config({
         "learner": {"lr": LR, "micro_batch_tokens": 40, "shards": 2, **learner},
-        "algorithm": {"kl_coef": 0.1}, "run": {"threads": 1}})
+        "algorithm": {"kl_coef": 0.1, **(algorithm or {})}, "run": {"threads": 1}})
 
 
 def _close(a: float, b: float, rtol: float = FIGURE_RTOL) -> bool:
@@ -297,3 +297,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_rank_whose_rows_all_have_zero_advantage_still_runs_with_its_peers(
+        tiny_llama, make_trajectory) -> None:
+    """TIS on (its old-log-prob pass runs sharded), zero-advantage rows skipped, and one
+    rank's whole share at advantage 0: that rank runs zero-weight passes beside its peer
+    (the quickstart's case), and the update equals the one-process one."""
+    cfg = _cfg({"kl_coef": 0.0}, share_prompts=False)
+    precision = PrecisionChoice("float32", "float32", "tis", EXPLICIT)
+    one_model = tiny_llama(torch.float64)
+    two_model = copy.deepcopy(one_model)
+    one = build_learner(cfg, _Model(one_model), precision)
+    two = start_local(cfg, two_model, precision)
+    try:
+        for step in range(3):
+            batch = _batch(make_trajectory, step, groups=2, size=4)
+            batch.advantages[batch.group_ids == 1] = 0.0  # one group a rank: one rank idle
+            assert [set(batch.group_ids[p].tolist()) for p in split_rows(batch, 2)] in (
+                [{0}, {1}], [{1}, {0}])
+            a, b = one.update(batch), two.update(batch)
+            two.publish(step + 1)
+            assert b["rows_skipped_zero_adv"] == a["rows_skipped_zero_adv"] == 4
+            for key in ("loss", "grad_norm"):
+                assert _close(a[key], b[key]), (step, key, a[key], b[key])
+        worst = max(float((p - q).detach().abs().max()) for p, q in
+                    zip(one_model.parameters(), two_model.parameters()))
+        assert worst <= THETA_BOUND, worst
+    finally:
+        two.close()

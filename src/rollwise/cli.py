@@ -85,6 +85,7 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
     from rollwise.pipeline.launch import RunFinished, train_run
     from rollwise.run.health import RunUnhealthy
     from rollwise.system.runlock import RunLockedError
+    from rollwise.types import LearnerDied
 
     root = None
     try:
@@ -98,6 +99,8 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
         summary = train_run(opened)
     except RunLockedError as e:
         _fail(str(e))
+    except LearnerDied as e:  # a learner actor or rank gone: one line, the way on
+        _fail(f"{e} (run: {root})", code=1)
     except RunUnhealthy as e:
         _fail(f"{e} (run: {root})", code=3)
     except OSError as e:

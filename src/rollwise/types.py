@@ -300,6 +300,11 @@ class Published:
     nbytes: int = 0
 
 
+class LearnerDied(RuntimeError):
+    """A learner placed in other processes (a Ray actor, or one of its ranks) is gone: the
+    run stops; its last checkpoint is intact."""
+
+
 class PublishError(RuntimeError):
     """A publication the rollout side could not stage, or refused to activate: names the
     placement, the phase ('stage' or 'activate') and the version. The rollout side keeps

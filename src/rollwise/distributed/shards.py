@@ -45,11 +45,7 @@ import torch
 
 from rollwise.learner import shards
 from rollwise.learner.batch import take_rows
-from rollwise.types import Batch, Published
-
-
-class LearnerDied(RuntimeError):
-    """A learner (or one of its ranks) is gone: the run stops; its last checkpoint is intact."""
+from rollwise.types import Batch, LearnerDied, Published
 
 
 def rank_failed(rank: int, world: int, phase: str, why: str) -> LearnerDied:

@@ -181,11 +181,12 @@ class Learner:
             return self._logprobs(self.model, rows, share=share)
 
     @torch.no_grad()
-    def _over_batch(self, batch: Batch, fn: Callable[[Batch, bool | None], torch.Tensor]
-                    ) -> torch.Tensor:
-        """[N, L] values of `fn(rows, share)` on each micro-batch of `batch`, in row order."""
+    def _over_batch(self, batch: Batch, fn: Callable[[Batch, bool | None], torch.Tensor],
+                    spare: Batch | None = None) -> torch.Tensor:
+        """[N, L] values of `fn(rows, share)` on each micro-batch of `batch`, in row order
+        (`spare`: `_plan`'s)."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float64)
-        for idx, rows, weight, share in self._plan(batch):
+        for idx, rows, weight, share in self._plan(batch, spare):
             values = fn(rows, share)
             if weight:
                 out[idx, : rows.loss_mask.shape[1]] = values.double().cpu()
@@ -202,13 +203,15 @@ class Learner:
             rows.old_logprobs, self._ref_logprobs(rows, share).to(rows.old_logprobs.dtype)
         ) * rows.loss_mask)
 
-    def _correct(self, batch: Batch) -> tuple[Batch, torch.Tensor | None, dict[str, float]]:
-        """(batch with the learner's own old log-probs, per-token weights, metrics)."""
+    def _correct(self, batch: Batch, spare: Batch | None = None
+                 ) -> tuple[Batch, torch.Tensor | None, dict[str, float]]:
+        """(batch with the learner's own old log-probs, per-token weights, metrics);
+        `spare`: the rows a rank whose rows were all skipped runs at weight 0."""
         if self.correction_fn is None:
             return batch, None, {}
         self.model.eval()  # no dropout in the recomputed log-probs
         old = self._over_batch(batch, lambda rows, share: self._logprobs(self.model, rows,
-                                                                         share=share))
+                                                                         share=share), spare)
         old = old.to(batch.old_logprobs.dtype) * batch.loss_mask
         weights, metrics = self.correction_fn(old, batch.old_logprobs, batch.loss_mask,
                                               **self.correction_options)
@@ -233,7 +236,7 @@ class Learner:
         rows = {"rows_trained": float(batch.num_rows), "rows_skipped_zero_adv": float(skipped)}
         if self.peers is not None:
             rows = self.peers.total(rows)
-        batch, weights, correction = self._correct(batch)
+        batch, weights, correction = self._correct(batch, spare)
         self.model.train()
         metrics: dict[str, float] = {}
         for _ in range(self.ppo_epochs):
