@@ -327,3 +327,29 @@ def test_a_rank_whose_rows_all_have_zero_advantage_still_runs_with_its_peers(
         assert worst <= THETA_BOUND, worst
     finally:
         two.close()
+
+
+@pytest.mark.slow
+def test_smollm2_two_ranks_update_as_one_process_float64(make_trajectory) -> None:
+    """The real model's shape (SmolLM2-135M, 30 layers, tied embeddings), in float64: five
+    updates on 2 ranks equal one process's within the same bound."""
+    from rollwise.models import load_policy
+
+    cfg = _cfg(share_prompts=False)
+    precision = PrecisionChoice("float32", "float32", "none", EXPLICIT)
+    one_model = load_policy("smollm2-135m").model.double()
+    two_model = copy.deepcopy(one_model)
+    one = build_learner(cfg, _Model(one_model), precision)
+    two = start_local(cfg, two_model, precision)
+    try:
+        for step in range(K):
+            batch = _batch(make_trajectory, step, groups=2, size=4, vocab=49152)
+            a, b = one.update(batch), two.update(batch)
+            two.publish(step + 1)
+            for key in ("loss", "grad_norm", "kl"):
+                assert _close(a[key], b[key]), (step, key, a[key], b[key])
+        worst = max(float((p - q).detach().abs().max()) for p, q in
+                    zip(one_model.parameters(), two_model.parameters()))
+        assert worst <= THETA_BOUND, worst
+    finally:
+        two.close()
