@@ -42,6 +42,10 @@ ALLOWED = {
     ("learner/batch.py", "micro_batches"): "row indices (host bookkeeping)",
     ("learner/learner.py", "_over_batch"): "host accumulator of values brought back with "
     ".cpu()",
+    ("learner/learner.py", "_plan"): "a row index into the host batch (take_rows moves the "
+    "rows to the device)",
+    ("learner/shards.py", "place_arrays"): "the driver's whole copy of the weights is filled "
+    "from ranks' host arrays (copy_ moves them to its device)",
     ("learner/logprobs.py", "_shared_prefix_plan"): "prefix plan built on the host from "
     "lists, moved with .to(device) before it is returned",
     ("learner/prepare.py", "prepare_batch"): "host-side batch records (moved by take_rows)",

@@ -31,6 +31,7 @@ Imports the compose builders, the learner and the records.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import pickle
 import signal
@@ -79,9 +80,14 @@ class RankWorker:
         configure_runtime(threads, cfg.run.allocator)
         torch.manual_seed(cfg.run.seed)
         self.rank = rank
-        self.peers = shards.init_ranks(rank, world, address, cfg.run.device,
+        local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's, else the rank
+        device = shards.rank_device(cfg.run.device, local)
+        self.peers = shards.init_ranks(rank, world, address, device,
                                        cfg.learner.shard_timeout_s)
+        # the driver's tensors (shared memory, or CUDA IPC handles) before this rank's copy
         self.full = dict(model.state_dict()) if shared else None
+        model = model if str(next(model.parameters()).device) == device else (
+            copy.deepcopy(model).to(device) if shared else model.to(device))
         self.gather, self.into = gather, into
         self.learner = build_learner(cfg, _Model(model), precision, peers=self.peers)
 

@@ -49,10 +49,11 @@ def _threads(cfg) -> int:
 
 
 def _join(timeout_s: float, device: str) -> None:
-    from rollwise.learner.shards import init_ranks
+    from rollwise.learner.shards import init_ranks, rank_device
 
     rank, world = launched()
-    init_ranks(rank, world, "env://", device, timeout_s)
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    init_ranks(rank, world, "env://", rank_device(device, local), timeout_s)
 
 
 def _broadcast_weights(model) -> None:

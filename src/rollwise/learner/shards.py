@@ -93,6 +93,16 @@ class Peers:
         return [(p, w, lo >= 1 and hi >= 2) for (p, w, _), lo, hi in zip(mine, low, high)]
 
 
+def rank_device(device: str, local_rank: int) -> str:
+    """The device a rank computes on: its own GPU (`cuda:<local rank>`, whatever index
+    run.device names) or the CPU.
+
+    >>> rank_device("cuda", 3), rank_device("cuda:0", 1), rank_device("cpu", 2)
+    ('cuda:3', 'cuda:1', 'cpu')
+    """
+    return f"cuda:{local_rank}" if device.startswith("cuda") else "cpu"
+
+
 def init_ranks(rank: int, world: int, address: str, device: str, timeout_s: float) -> Peers:
     """Join the learner ranks' process group (gloo on CPU, NCCL on CUDA); collectives
     that wait longer than `timeout_s` fail instead of hanging."""
