@@ -66,6 +66,37 @@ def _close(a: float, b: float, rtol: float = FIGURE_RTOL) -> bool:
     return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
 
 
+def _train_both(one, two, batches, rtol: float = FIGURE_RTOL,
+                keys: tuple[str, ...] = ("loss", "grad_norm", "kl")) -> list[tuple[dict, dict]]:
+    """Each batch through the one-process learner and the ranks (then published, so the
+    driver's copy holds the ranks' weights); the per-step figures must agree to `rtol`.
+    (clip_frac and the ratio figures are means of micro-batch means, weighted by rows, in
+    one process too: they follow micro_batch_tokens and the split, so are not compared.)"""
+    out = []
+    for step, batch in enumerate(batches):
+        a, b = one.update(batch), two.update(batch)
+        two.publish(step + 1)
+        for key in keys:
+            assert _close(a[key], b[key], rtol), (step, key, a[key], b[key])
+        out.append((a, b))
+    return out
+
+
+def _pair(cfg, model, learner: str = "float32", correction: str = "none"):
+    """(one-process learner over `model`, 2 ranks over a copy of it, that copy)."""
+    precision = PrecisionChoice("float32", learner, correction, EXPLICIT)
+    copied = copy.deepcopy(model)
+    return build_learner(cfg, _Model(model), precision), start_local(cfg, copied, precision), \
+        copied
+
+
+def _worst(a, b, trainable_only: bool = False) -> float:
+    """max |a - b| over the parameters of two models of one architecture."""
+    other = dict(b.named_parameters())
+    return max(float((p - other[n]).detach().abs().max()) for n, p in a.named_parameters()
+               if p.requires_grad or not trainable_only)
+
+
 def test_two_ranks_update_as_one_process_reshard_both_ways_and_name_a_killed_rank(
         tiny_llama, make_trajectory, tmp_path) -> None:
     """float64, a frozen KL reference sharded alike, micro-batches of uneven count per rank
@@ -75,23 +106,12 @@ def test_two_ranks_update_as_one_process_reshard_both_ways_and_name_a_killed_ran
     cfg = _cfg(share_prompts=False)
     precision = PrecisionChoice("float32", "float32", "none", EXPLICIT)
     one_model = tiny_llama(torch.float64)
-    two_model = copy.deepcopy(one_model)
-    one = build_learner(cfg, _Model(one_model), precision)
-    two = start_local(cfg, two_model, precision)
+    one, two, two_model = _pair(cfg, one_model)
     try:
-        for step in range(K):
-            batch = _batch(make_trajectory, step)
-            a, b = one.update(batch), two.update(batch)
-            two.publish(step + 1)
-            # (clip_frac and the ratio figures are means of micro-batch means, weighted by
-            # rows, in one process too: they follow micro_batch_tokens and the split)
-            for key in ("loss", "grad_norm", "kl"):
-                assert _close(a[key], b[key]), (step, key, a[key], b[key])
+        batches = [_batch(make_trajectory, step) for step in range(K)]
+        for batch, (a, b) in zip(batches, _train_both(one, two, batches)):
             assert b["rows_trained"] == a["rows_trained"] == batch.num_rows
-        worst = max(float((p - q).detach().abs().max()) for p, q in
-                    zip(one_model.parameters(), two_model.parameters()))
-        moved = max(float((p - q).detach().abs().max()) for p, q in
-                    zip(one_model.parameters(), tiny_llama(torch.float64).parameters()))
+        worst, moved = _worst(one_model, two_model), _worst(one_model, tiny_llama(torch.float64))
         assert worst <= THETA_BOUND < moved / 100, (worst, moved)
 
         # 2 ranks -> 1 process: the optimizer shards (DCP) resharded into whole tensors
@@ -105,9 +125,7 @@ def test_two_ranks_update_as_one_process_reshard_both_ways_and_name_a_killed_ran
         batch = _batch(make_trajectory, K)
         one.update(batch)
         resumed.update(batch)
-        worst = max(float((p - q).detach().abs().max()) for p, q in
-                    zip(one_model.parameters(), resumed_model.parameters()))
-        assert worst <= THETA_BOUND * (K + 1) / K, worst
+        assert _worst(one_model, resumed_model) <= THETA_BOUND * (K + 1) / K
 
         # 1 process -> 2 ranks: whole optimizer tensors split into the ranks' rows
         with torch.no_grad():
@@ -118,9 +136,7 @@ def test_two_ranks_update_as_one_process_reshard_both_ways_and_name_a_killed_ran
         resumed.update(batch)
         two.update(batch)
         two.publish(K + 2)
-        worst = max(float((p - q).detach().abs().max()) for p, q in
-                    zip(two_model.parameters(), resumed_model.parameters()))
-        assert worst <= THETA_BOUND / K, worst  # one update from equal states
+        assert _worst(two_model, resumed_model) <= THETA_BOUND / K  # one update, equal start
 
         # a rank killed between calls: the next call names it, quickly
         os.kill(two.ranks.pids[1], signal.SIGKILL)
@@ -246,23 +262,12 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_two_ranks_update_as_one_process_variants(tiny_llama, make_trajectory, variant) -> None:
     settings, dtype, lora, learner_precision, theta_bound, rtol = VARIANTS[variant]
-    cfg = _cfg(**settings)
-    precision = PrecisionChoice("float32", learner_precision, "none", EXPLICIT)
     base = tiny_llama(dtype)
     one_model = _lora(base) if lora else base
-    two_model = copy.deepcopy(one_model)
-    one = build_learner(cfg, _Model(one_model), precision)
-    two = start_local(cfg, two_model, precision)
+    one, two, two_model = _pair(_cfg(**settings), one_model, learner_precision)
     try:
-        for step in range(K):
-            batch = _batch(make_trajectory, step)
-            a, b = one.update(batch), two.update(batch)
-            two.publish(step + 1)
-            for key in ("loss", "grad_norm", "kl"):
-                assert _close(a[key], b[key], rtol), (step, key, a[key], b[key])
-        trained = [(n, p) for n, p in one_model.named_parameters() if p.requires_grad]
-        other = dict(two_model.named_parameters())
-        worst = max(float((p - other[n]).detach().abs().max()) for n, p in trained)
+        _train_both(one, two, [_batch(make_trajectory, step) for step in range(K)], rtol)
+        worst = _worst(one_model, two_model, trainable_only=True)
         assert worst <= theta_bound, worst
     finally:
         two.close()
@@ -305,26 +310,18 @@ def test_a_rank_whose_rows_all_have_zero_advantage_still_runs_with_its_peers(
     """TIS on (its old-log-prob pass runs sharded), zero-advantage rows skipped, and one
     rank's whole share at advantage 0: that rank runs zero-weight passes beside its peer
     (the quickstart's case), and the update equals the one-process one."""
-    cfg = _cfg({"kl_coef": 0.0}, share_prompts=False)
-    precision = PrecisionChoice("float32", "float32", "tis", EXPLICIT)
     one_model = tiny_llama(torch.float64)
-    two_model = copy.deepcopy(one_model)
-    one = build_learner(cfg, _Model(one_model), precision)
-    two = start_local(cfg, two_model, precision)
+    one, two, two_model = _pair(_cfg({"kl_coef": 0.0}, share_prompts=False), one_model,
+                                correction="tis")
     try:
         for step in range(3):
             batch = _batch(make_trajectory, step, groups=2, size=4)
             batch.advantages[batch.group_ids == 1] = 0.0  # one group a rank: one rank idle
             assert [set(batch.group_ids[p].tolist()) for p in split_rows(batch, 2)] in (
                 [{0}, {1}], [{1}, {0}])
-            a, b = one.update(batch), two.update(batch)
-            two.publish(step + 1)
+            ((a, b),) = _train_both(one, two, [batch], keys=("loss", "grad_norm"))
             assert b["rows_skipped_zero_adv"] == a["rows_skipped_zero_adv"] == 4
-            for key in ("loss", "grad_norm"):
-                assert _close(a[key], b[key]), (step, key, a[key], b[key])
-        worst = max(float((p - q).detach().abs().max()) for p, q in
-                    zip(one_model.parameters(), two_model.parameters()))
-        assert worst <= THETA_BOUND, worst
+        assert _worst(one_model, two_model) <= THETA_BOUND
     finally:
         two.close()
 
@@ -335,21 +332,11 @@ def test_smollm2_two_ranks_update_as_one_process_float64(make_trajectory) -> Non
     updates on 2 ranks equal one process's within the same bound."""
     from rollwise.models import load_policy
 
-    cfg = _cfg(share_prompts=False)
-    precision = PrecisionChoice("float32", "float32", "none", EXPLICIT)
     one_model = load_policy("smollm2-135m").model.double()
-    two_model = copy.deepcopy(one_model)
-    one = build_learner(cfg, _Model(one_model), precision)
-    two = start_local(cfg, two_model, precision)
+    one, two, two_model = _pair(_cfg(share_prompts=False), one_model)
     try:
-        for step in range(K):
-            batch = _batch(make_trajectory, step, groups=2, size=4, vocab=49152)
-            a, b = one.update(batch), two.update(batch)
-            two.publish(step + 1)
-            for key in ("loss", "grad_norm", "kl"):
-                assert _close(a[key], b[key]), (step, key, a[key], b[key])
-        worst = max(float((p - q).detach().abs().max()) for p, q in
-                    zip(one_model.parameters(), two_model.parameters()))
-        assert worst <= THETA_BOUND, worst
+        _train_both(one, two, [_batch(make_trajectory, step, groups=2, size=4, vocab=49152)
+                               for step in range(K)])
+        assert _worst(one_model, two_model) <= THETA_BOUND
     finally:
         two.close()
