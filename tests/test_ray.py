@@ -223,3 +223,16 @@ def test_sharded_learner_on_ray_trains_as_the_local_ranks(tmp_path):
         keys = {k for k in set(x) & set(y) if not any(t in k for t in TIMING)}
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, (x["kind"], x["step"])
     assert all(r["learner_ranks"] == 2 for r in records(tmp_path / "ray", "train"))
+    # a rank's actor killed: the next call to the ranks names it
+    from rollwise.types import LearnerDied
+
+    stages = build(small(tmp_path, "run.backend='ray'", *shards))
+    try:
+        ray.kill(stages.learner.ranks.actors[1])
+        start = time.monotonic()
+        with pytest.raises(LearnerDied, match=r"learner rank 1 of 2 failed during 'publish': "
+                                              r"its actor died"):
+            stages.learner.publish(1)
+        assert time.monotonic() - start < 30
+    finally:
+        stages.close()
