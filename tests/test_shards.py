@@ -333,10 +333,12 @@ def test_smollm2_two_ranks_update_as_one_process_float64(make_trajectory) -> Non
     from rollwise.models import load_policy
 
     one_model = load_policy("smollm2-135m").model.double()
-    one, two, two_model = _pair(_cfg(share_prompts=False), one_model)
+    # no KL reference and small output-layer chunks: float64 SmolLM2 on 3 processes fits 24 GB
+    one, two, two_model = _pair(_cfg({"kl_coef": 0.0}, share_prompts=False, logprob_chunk=64,
+                                     skip_zero_advantage=False), one_model)
     try:
         _train_both(one, two, [_batch(make_trajectory, step, groups=2, size=4, vocab=49152)
-                               for step in range(K)])
+                               for step in range(K)], keys=("loss", "grad_norm"))
         assert _worst(one_model, two_model) <= THETA_BOUND
     finally:
         two.close()
