@@ -342,3 +342,24 @@ def test_smollm2_two_ranks_update_as_one_process_float64(make_trajectory) -> Non
         assert _worst(one_model, two_model) <= THETA_BOUND
     finally:
         two.close()
+
+
+def test_ranks_start_from_a_script_without_a_main_guard(tmp_path) -> None:
+    """A user's script that starts learner ranks at module level (no `if __name__ ==
+    "__main__"`): the spawned ranks do not run it again (which would start ranks from each
+    rank and leave this process waiting forever to hand the first one its arguments)."""
+    script = tmp_path / "train_here.py"
+    script.write_text(
+        "from rollwise.compose.config import validate_config\n"
+        "from rollwise.compose.precision import PrecisionChoice\n"
+        "from rollwise.distributed.shards import start_local\n"
+        "from rollwise.models.tiny import build_model\n"
+        "cfg = validate_config({'learner': {'shards': 2}, 'run': {'threads': 1}})\n"
+        "how = dict.fromkeys(('rollout', 'learner', 'correction'), 'explicit')\n"
+        "ranks = start_local(cfg, build_model(hidden=32, layers=2, heads=2, kv_heads=1),\n"
+        "                    PrecisionChoice('float32', 'float32', 'none', how))\n"
+        "print('started', len(ranks.ranks.pids))\n"
+        "ranks.close()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "started 2" in done.stdout, done.stderr[-2000:]

@@ -182,6 +182,25 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
+@contextlib.contextmanager
+def _main_not_rerun():
+    """A spawned rank runs rollwise code only: it must not run the caller's main script
+    again, as multiprocessing would. A script without an `if __name__ == "__main__"` guard
+    would start ranks from each rank (and the parent would wait forever to hand the first
+    one its arguments). Hidden while a rank starts, the script is not named to it."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+    try:
+        for k in saved:
+            setattr(main, k, None) if k == "__spec__" else delattr(main, k)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
 class LocalRanks:
     """N learner ranks as processes of this machine (torch.multiprocessing, spawned), each
     over a pipe. `model` must live in shared memory (`share_memory()`): every rank maps it,
@@ -202,7 +221,8 @@ class LocalRanks:
             proc = ctx.Process(target=_rank_main, name=f"rollwise-learner-rank-{rank}",
                                args=(child, cfg_data, model, precision, rank, world,
                                      address, threads), daemon=True)
-            proc.start()
+            with _main_not_rerun():
+                proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
