@@ -344,6 +344,7 @@ def test_smollm2_two_ranks_update_as_one_process_float64(make_trajectory) -> Non
         two.close()
 
 
+@pytest.mark.slow
 def test_ranks_start_from_a_script_without_a_main_guard(tmp_path) -> None:
     """A user's script that starts learner ranks at module level (no `if __name__ ==
     "__main__"`): the spawned ranks do not run it again (which would start ranks from each

@@ -259,7 +259,8 @@ def _sharded_trainer(ray, cfg, policy, policy_ref, precision, env):
     """learner.shards ranks as actors of a placement group; each publication puts the
     driver's copy (which the ranks just wrote their rows into) once into the object store."""
     from rollwise.distributed.actors import to_plain
-    from rollwise.distributed.shards import RayRanks, ShardedTrainer
+    from rollwise.distributed.rayranks import RayRanks
+    from rollwise.distributed.shards import ShardedTrainer
 
     lc = cfg.learner
     ranks = RayRanks(ray, cfg.model_dump(), policy_ref, precision, lc.shards,
