@@ -7,6 +7,8 @@
     python scripts/crash_harness.py --pair --kills 120 [--mode sync|async|both]
         [--sync-delay 0.3] [--timeout 20]
 
+    python scripts/crash_harness.py --ranks 2 --kills 20 [--timeout 60]
+
 --user-code: the run also scores with a verifier and a group term (with an option) named
 by import path, as a user's own code is (tests/crashtest.py's USER_CODE).
 
@@ -20,6 +22,12 @@ script (`serve-zygote DELAY ...`: the libraries imported once), which makes each
 load take DELAY seconds more so that kills can land inside one (the tiny model's takes
 about 10 ms). --mode both splits
 the kills between a synchronous run and an asynchronous one (max_staleness 1).
+
+--ranks N: the learner sharded over N local ranks (learner.shards = N); at random
+instants one rank is SIGKILLed, or the driver (SIGKILL or SIGINT) (tests/crashranks.py):
+a dead rank must stop the trainer within --timeout (learner.shard_timeout_s) with an
+error naming it, and a dead driver's ranks must exit; prints the kills per victim and
+phase.
 
 Exits 0 when every finished run equals the uninterrupted reference (metrics, stored
 trajectories, summary counters), 1 otherwise. See tests/crashtest.py for what it does.
@@ -42,6 +50,7 @@ from rollwise.compose.config import load_config
 # the harness is test tooling: it lives beside the tests that run it briefly
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from crashpair import SERVER, pair_test  # noqa: E402
+from crashranks import rank_test  # noqa: E402
 from crashtest import USER_CODE, crash_test  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +163,8 @@ def main() -> int:
                         help="also score with a verifier and a group term by import path")
     parser.add_argument("--pair", action="store_true",
                         help="kill a trainer and an inference server in turn")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="shard the learner over this many local ranks; kill one")
     parser.add_argument("--mode", choices=["sync", "async", "both"], default=None,
                         help="default: both with --pair, else sync")
     parser.add_argument("--sync-delay", type=float, default=0.3,
@@ -165,7 +176,34 @@ def main() -> int:
     if args.pair:
         args.mode = args.mode or "both"
         return run_pair(args, workdir)
+    if args.ranks:
+        return run_ranks(args, workdir)
     return run_local(args, workdir)
+
+
+def run_ranks(args, workdir: Path) -> int:
+    """--ranks: the sharded learner's harness; 0 when all is well."""
+    cfg = load_config(args.config, [f"run.output_dir='{workdir}'", *TINY,
+                                    f"learner.shards={args.ranks}",
+                                    f"learner.shard_timeout_s={args.timeout}", *args.overrides])
+    start = time.perf_counter()
+    report = rank_test(cfg, kills=args.kills, seed=args.seed, workdir=workdir,
+                       sigint_share=args.sigint_share, log=print)
+    longest = max(report.errors, default=(0.0, ""), key=lambda e: e[0])
+    print(f"\n{report.total} kills ({dict(report.signals)}), {report.rounds} runs compared, "
+          f"{report.resumes} resumes, {len(report.errors)} errors naming the killed rank "
+          f"(longest {longest[0]:.1f}s of learner.shard_timeout_s={args.timeout:g}), "
+          f"{report.finished} trainers finished without it, orphaned ranks gone in at most "
+          f"{max(report.orphans_s, default=0.0):.1f}s, {report.kept} kept batches trained as "
+          f"checkpointed, reference run {report.reference_seconds:.1f}s, total "
+          f"{time.perf_counter() - start:.0f}s: "
+          + ("all equal to the uninterrupted run" if report.ok else "FAILED"))
+    print(report.table())
+    if longest[1]:
+        print(f"longest: {longest[1][:400]}")
+    for failure in report.failures:
+        print("  " + failure)
+    return 0 if report.ok else 1
 
 
 def run_local(args, workdir: Path) -> int:

@@ -46,8 +46,9 @@ ALLOWED = {
     "rows to the device)",
     ("learner/shards.py", "place_arrays"): "the driver's whole copy of the weights is filled "
     "from ranks' host arrays (copy_ moves them to its device)",
-    ("learner/logprobs.py", "_shared_prefix_plan"): "prefix plan built on the host from "
-    "lists, moved with .to(device) before it is returned",
+    ("learner/grouped.py", "plan_groups"): "the grouped layout built on the host from "
+    "lists; token_logprobs moves it with GroupPlan.to(device) before the pass",
+    ("learner/batch.py", "group_micro_batches"): "row indices (host bookkeeping)",
     ("learner/prepare.py", "prepare_batch"): "host-side batch records (moved by take_rows)",
     ("learner/prepare.py", "episode_inputs"): "host-side batch records (moved by take_rows)",
     ("learner/prepare.py", "ref_values"): "host-side batch records (moved by take_rows)",

@@ -121,7 +121,9 @@ def _learner(model, **kw):
 
 def test_checkpointing_gives_the_same_update(tiny_llama, random_trajectories) -> None:
     """Recomputing activations in the backward pass changes memory, not the update (float64:
-    the same products in the same order)."""
+    the same products in the same order), with prompts shared too: a recomputed layer
+    recomputes the grouped attention from its input (tests/test_learner_shared_prompts.py
+    checks it against the per-row pass)."""
     from rollwise.learner import collate
 
     trajs = random_trajectories(6)
@@ -129,9 +131,13 @@ def test_checkpointing_gives_the_same_update(tiny_llama, random_trajectories) ->
                     torch.arange(6) // 2, pad_id=0)
     plain = tiny_llama(torch.float64)
     ckpt = tiny_llama(torch.float64)
-    a = _learner(plain, share_prompts=False)
-    b = _learner(ckpt, activation_checkpointing=True)
-    assert not b.share_prompts  # a recomputed layer cannot replay the prompt's cache
+    for trajectory in trajs[1::2]:  # pairs of rows with one prompt: sharing has work to do
+        trajectory.prompt_ids = list(trajs[trajs.index(trajectory) - 1].prompt_ids)
+    batch = collate(trajs, torch.tensor([1.0, -0.5, 0.3, -1.2, 0.8, -0.1]),
+                    torch.arange(6) // 2, pad_id=0)
+    a = _learner(plain, share_prompts=True)
+    b = _learner(ckpt, activation_checkpointing=True, share_prompts=True)
+    assert b._shares(batch)
     ma, mb = a.update(batch), b.update(batch)
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-12)
     for p, q in zip(plain.parameters(), ckpt.parameters()):

@@ -102,12 +102,19 @@ def test_two_ranks_update_as_one_process_reshard_both_ways_and_name_a_killed_ran
     """float64, a frozen KL reference sharded alike, micro-batches of uneven count per rank
     (the spare zero-weight passes run): five updates equal the one-process learner's; the
     2-rank checkpoint loads into one process and continues equally, and a one-process
-    state loads into the 2 ranks likewise; a killed rank is named within seconds."""
+    state loads into the 2 ranks likewise; a killed rank is named within seconds. The ranks
+    allocate as run.allocator says (jemalloc, where it is installed: preloaded into them)."""
+    from rollwise.system.preload import jemalloc_library
+
     cfg = _cfg(share_prompts=False)
+    cfg.run.allocator = "jemalloc"
     precision = PrecisionChoice("float32", "float32", "none", EXPLICIT)
     one_model = tiny_llama(torch.float64)
     one, two, two_model = _pair(cfg, one_model)
     try:
+        mapped = [b"jemalloc" in Path(f"/proc/{pid}/maps").read_bytes()
+                  for pid in two.ranks.pids]
+        assert mapped == [jemalloc_library() is not None] * 2
         batches = [_batch(make_trajectory, step) for step in range(K)]
         for batch, (a, b) in zip(batches, _train_both(one, two, batches)):
             assert b["rows_trained"] == a["rows_trained"] == batch.num_rows

@@ -166,3 +166,44 @@ def save_results(data: dict, json_path: Path | None) -> None:
 def say(message: str) -> None:
     """A progress line on stderr (the tables go to stdout)."""
     typer.echo(f"  {message}", err=True)
+
+
+_SDPA_REGISTERED = {"done": False}
+
+
+def _register_cpu_sdpa_flops() -> None:
+    """torch's FLOP counter has no formula for the CPU attention kernel
+    (`_scaled_dot_product_flash_attention_for_cpu`), so attention on a CPU would count 0.
+    Forward: 4 x batch x query heads x queries x keys x head size (Q K^T and P V, grouped
+    key/value heads included); backward: twice that (dV, dP, dQ, dK)."""
+    if _SDPA_REGISTERED["done"]:
+        return
+    from torch.utils.flop_counter import register_flop_formula
+
+    aten = torch.ops.aten
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        b, h, sq, d = query_shape
+        return 4 * b * h * sq * key_shape[2] * d
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                 **kwargs) -> int:
+        return 2 * forward(query_shape, key_shape, value_shape)
+
+    for op, formula in ((aten._scaled_dot_product_flash_attention_for_cpu, forward),
+                        (aten._scaled_dot_product_flash_attention_for_cpu_backward, backward)):
+        try:
+            register_flop_formula(op)(formula)
+        except (RuntimeError, ValueError):  # torch gained its own: keep it
+            pass
+    _SDPA_REGISTERED["done"] = True
+
+
+def count_flops(fn) -> tuple[Any, int]:
+    """(fn(), the FLOPs torch's counter counted in it), CPU attention included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _register_cpu_sdpa_flops()
+    with FlopCounterMode(display=False) as counter:
+        out = fn()
+    return out, int(counter.get_total_flops())

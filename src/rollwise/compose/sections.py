@@ -382,10 +382,11 @@ class LearnerConfig(Section):
         "products, float32 master weights).")
     ppo_epochs: int = Field(
         default_of(Learner, "ppo_epochs"), ge=1, description="Updates per rollout batch.")
-    share_prompts: bool = Field(
-        default_of(Learner, "share_prompts"), description="Rows of a micro-batch with the same "
-        "prompt (a group's samples) run it once: the same log-probs and gradients from groups x P "
-        "+ N x R tokens instead of N x (P + R).")
+    share_prompts: bool | Literal["auto"] = Field(
+        default_of(Learner, "share_prompts"), description="Each group's prompt runs once per "
+        "step (the grouped layer pass; micro-batches hold whole groups): the same log-probs and "
+        "gradients from groups x P + N x R tokens instead of N x (P + R). 'auto': when the FLOP "
+        "model says that saves at least 10% of the layers' FLOPs; true: always; false: per row.")
     skip_zero_advantage: bool = Field(
         default_of(Learner, "skip_zero_advantage"), description="Run no forward/backward for "
         "rows whose advantage is 0 when the loss declares they add nothing (PPO, GSPO, CISPO with "

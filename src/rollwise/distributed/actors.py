@@ -16,6 +16,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,14 @@ def _config(data: dict):
     from rollwise.compose.config import validate_config
 
     return validate_config(data)
+
+
+def put_weights(ray, model: torch.nn.Module) -> tuple[Any, int]:
+    """The model's weights put once into the object store (`to_plain`): (reference, bytes)."""
+    state = to_plain(model.state_dict())
+    nbytes = sum(v.nbytes if isinstance(v, np.ndarray) else v.numel() * v.element_size()
+                 for v in state.values())
+    return ray.put(state), nbytes
 
 
 def to_plain(state: dict[str, torch.Tensor]) -> dict:
@@ -192,10 +201,8 @@ class LearnerWorker:
         """The weights of `version` put once into the object store: ([reference], bytes)."""
         import ray
 
-        state = to_plain(self.policy.model.state_dict())
-        nbytes = sum(v.nbytes if isinstance(v, np.ndarray) else v.numel() * v.element_size()
-                     for v in state.values())
-        return [ray.put(state)], nbytes
+        ref, nbytes = put_weights(ray, self.policy.model)
+        return [ref], nbytes
 
     def state(self) -> dict:
         return self.learner.state_dict()

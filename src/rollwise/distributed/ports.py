@@ -258,7 +258,7 @@ def place_on_ray(cfg, policy, precision, specs, timeout_s: float,
 def _sharded_trainer(ray, cfg, policy, policy_ref, precision, env):
     """learner.shards ranks as actors of a placement group; each publication puts the
     driver's copy (which the ranks just wrote their rows into) once into the object store."""
-    from rollwise.distributed.actors import to_plain
+    from rollwise.distributed.actors import put_weights
     from rollwise.distributed.rayranks import RayRanks
     from rollwise.distributed.shards import ShardedTrainer
 
@@ -269,10 +269,7 @@ def _sharded_trainer(ray, cfg, policy, policy_ref, precision, env):
                      gpus=1 if cfg.run.device.startswith("cuda") else 0, runtime_env=env)
 
     def handoff(version: int) -> Published:
-        state = to_plain(policy.model.state_dict())
-        nbytes = sum(getattr(v, "nbytes", 0) or v.numel() * v.element_size()
-                     for v in state.values())
-        return Published(version, ray.put(state), nbytes)
+        return Published(version, *put_weights(ray, policy.model))
 
     return ShardedTrainer(ranks, policy.model, handoff)
 

@@ -25,6 +25,9 @@ dead) or did not answer stops the run with `LearnerDied` naming the rank and the
 the others are then stopped too (they would wait in a collective for the lost one). A
 checkpoint's optimizer state is written into a folder the checkpoint takes in only once
 every rank finished, so a failure mid-save leaves the previous checkpoint the last whole one.
+A local rank whose driver died (SIGKILL) exits within a fraction of a second, whatever it
+was doing. tests/crashranks.py kills one rank or the driver at random instants and checks
+all of this (`scripts/crash_harness.py --ranks 2`).
 
 Imports the compose builders, the learner and the records.
 """
@@ -150,9 +153,26 @@ def free_address(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
+def _exit_with_parent(poll_s: float = 0.2) -> None:
+    """Exit this process soon after its parent dies (a SIGKILLed driver): an orphaned rank
+    would otherwise hold its copy of the model until its current call or collective ends,
+    or, while it starts, until it has built its learner."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rollwise-rank-parent", daemon=True).start()
+
+
 def _rank_main(conn, cfg_data, model, precision, rank, world, address, threads) -> None:
     """A local rank's process: build the worker, then answer calls until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it checkpoints
+    _exit_with_parent()
     try:
         worker = RankWorker(cfg_data, model, precision, rank, world, address, threads,
                             shared=True)
@@ -202,6 +222,29 @@ def _main_not_rerun():
             setattr(main, k, v)
 
 
+@contextlib.contextmanager
+def _preloaded(allocator: str):
+    """With run.allocator = "jemalloc", the processes started inside have jemalloc
+    preloaded (the driver's re-run takes LD_PRELOAD back, so that its other children do
+    not): a rank allocates as its driver does. A rank's resident set under each allocator:
+    docs/scaling.md."""
+    from rollwise.system.preload import jemalloc_library, preload_env
+
+    library = jemalloc_library() if allocator == "jemalloc" else None
+    if library is None:
+        yield
+        return
+    before = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = preload_env(library)["LD_PRELOAD"]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
 class LocalRanks:
     """N learner ranks as processes of this machine (torch.multiprocessing, spawned), each
     over a pipe. `model` must live in shared memory (`share_memory()`): every rank maps it,
@@ -217,12 +260,13 @@ class LocalRanks:
         self.timeout_s, self.world = timeout_s, world
         self.conns, self.procs = [], []
         address = free_address()
+        allocator = cfg_data.get("run", {}).get("allocator", "reuse")
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, name=f"rollwise-learner-rank-{rank}",
                                args=(child, cfg_data, model, precision, rank, world,
                                      address, threads), daemon=True)
-            with _main_not_rerun():
+            with _main_not_rerun(), _preloaded(allocator):
                 proc.start()
             child.close()
             self.conns.append(parent)

@@ -41,11 +41,14 @@ def region_mask(plen: torch.Tensor, own: torch.Tensor, chunk: int, pmax: int, sm
 class GroupLayout:
     """Where each of B rows sits in the [G, nmax] group layout: group `put[b]` (G, one past
     the last, for a padded row whose result is dropped) at place `place[b]` among its
-    group's rows, read back from group `get[b]`. Tensors [B] on the device."""
+    group's rows, read back from group `get[b]`. Tensors [B] on the device. `fresh`: every
+    `to_groups` call writes a buffer of its own (for a pass autograd differentiates: the
+    learner's grouped pass, learner/grouped.py), else one per name is reused."""
 
     def __init__(self, put: torch.Tensor, get: torch.Tensor, place: torch.Tensor, groups: int,
-                 nmax: int):
+                 nmax: int, fresh: bool = False):
         self.put, self.get, self.place, self.groups, self.nmax = put, get, place, groups, nmax
+        self.fresh = fresh
         self._buffers: dict[str, torch.Tensor] = {}  # to_groups' buffers, by name
 
     def to_groups(self, t: torch.Tensor, name: str) -> torch.Tensor:
@@ -56,7 +59,7 @@ class GroupLayout:
         of a pass): the result is a view of that buffer, valid until the next call with the
         same name. Every call writes the same places, so the others stay zero."""
         _, h, m, x = t.shape
-        buf = self._buffers.get(name)
+        buf = None if self.fresh else self._buffers.get(name)
         if buf is None or buf.shape[1:] != (h, self.nmax, m, x) or buf.dtype != t.dtype:
             buf = self._buffers[name] = t.new_zeros(self.groups + 1, h, self.nmax, m, x)
         buf[self.put, :, self.place] = t
@@ -74,10 +77,11 @@ def attend_regions(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor,
     """Queries q [B, kvH, M, hd] (M: a key head's query heads times the chunk's tokens)
     over their group's prompt keys/values pre_k, pre_v [G, kvH, P, hd] and their own
     own_k, own_v [B, kvH, S, hd] under one softmax with `mask` (`region_mask`);
-    [B, kvH, M, hd] in `dtype`."""
+    [B, kvH, M, hd] in `dtype`. Scores and the softmax in float32, or float64 for float64
+    queries (the learner's exactness tests)."""
     s_pre = layout.to_rows(layout.to_groups(q, "queries") @ pre_k.transpose(-1, -2))
     scores = torch.cat([s_pre, q @ own_k.transpose(-1, -2)], dim=-1)
-    scores = scores.float().mul_(scale).add_(mask)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(scale).add_(mask)
     probs = scores.softmax(-1).to(dtype)
     p = pre_k.shape[2]
     out = probs[..., p:] @ own_v

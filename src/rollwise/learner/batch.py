@@ -49,6 +49,57 @@ def micro_batches(batch: Batch, max_tokens: int) -> list[torch.Tensor]:
     return out
 
 
+def group_micro_batches(batch: Batch, max_tokens: int, split: bool = True
+                        ) -> list[tuple[torch.Tensor, int | None, int]]:
+    """Micro-batches when prompts are shared (learner/grouped.py): (row indices, the group
+    cut into pieces it belongs to, else None, and that group's prefix length, else 0). Whole groups are packed, largest first, while
+    the tokens that run stay within `max_tokens`: each group's prefix once plus its rows'
+    suffixes (a row with no trained token runs nothing; a group of one row runs its row).
+    A group over `max_tokens` on its own is cut into pieces of its rows, each within the
+    budget with the prefix counted (`split`; else it runs whole, over the budget)."""
+    from rollwise.learner.grouped import prefix_lengths
+
+    lengths = batch.attention_mask.sum(-1).tolist()
+    k = prefix_lengths(batch.loss_mask).tolist()
+    units: dict[int, list[int]] = {}
+    for i, g in enumerate(batch.group_ids.tolist()):
+        units.setdefault(g, []).append(i)
+
+    def prefix(rows: list[int]) -> int:
+        trained = [k[r] for r in rows if k[r] >= 0]
+        return min(trained) if len(trained) > 1 else 0
+
+    def cost(rows: list[int]) -> int:
+        p = prefix(rows)
+        return p + sum(lengths[r] - p for r in rows if k[r] >= 0)
+
+    order = sorted(units.values(), key=lambda rows: (-cost(rows), rows[0]))
+    out: list[tuple[torch.Tensor, int | None, int]] = []
+    current: list[int] = []
+    used = 0
+    for cut, rows in enumerate(order):
+        c = cost(rows)
+        if current and used + c > max_tokens:
+            out.append((torch.tensor(current), None, 0))
+            current, used = [], 0
+        if c <= max_tokens or not split or len(rows) == 1:
+            current, used = current + rows, used + c
+            continue
+        piece, budget = [], max_tokens - prefix(rows)
+        taken = 0
+        for r in sorted(rows, key=lambda r: -lengths[r]):
+            s = lengths[r] - prefix(rows) if k[r] >= 0 else 0
+            if piece and taken + s > budget:
+                out.append((torch.tensor(piece), cut, prefix(rows)))
+                piece, taken = [], 0
+            piece.append(r)
+            taken += s
+        out.append((torch.tensor(piece), cut, prefix(rows)))
+    if current:
+        out.append((torch.tensor(current), None, 0))
+    return out
+
+
 def take_rows(batch: Batch, rows: torch.Tensor, *, trim: bool = False,
               device: torch.device | str | None = None) -> Batch:
     """The batch restricted to row indices `rows` (every field is indexed by row first);

@@ -44,14 +44,29 @@ from pathlib import Path
 import torch
 
 from rollwise.algos import aggregate, is_zero_at_zero_advantage
-from rollwise.learner import shards
-from rollwise.learner.batch import micro_batches, take_rows
-from rollwise.learner.logprobs import TokenLogprobs, backbone_and_head, share_vote
+from rollwise.learner import grouped, shards
+from rollwise.learner.batch import group_micro_batches, micro_batches, take_rows
+from rollwise.learner.logprobs import TokenLogprobs, backbone_and_head
 from rollwise.learner.memory import enable_checkpointing, fit_budget, reference_copy
 from rollwise.learner.optim import build_optimizer, load_plain_state, plain_state
 from rollwise.learner.stochastic import bfloat16_master
 from rollwise.system.runtime import trim_heap
 from rollwise.types import Batch, Published
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch of an update: its row indices in the batch (None: a spare row a
+    rank runs at weight 0), the rows on the device, its weight, whether it runs grouped
+    (learner/grouped.py), and for a piece of a group cut over several micro-batches, the
+    group (`cut`) and its prefix's tokens."""
+
+    idx: torch.Tensor | None
+    rows: Batch
+    weight: float
+    share: bool
+    cut: int | None = None
+    prefix_ids: torch.Tensor | None = None
 
 
 class Learner:
@@ -63,7 +78,7 @@ class Learner:
                  kl_fn: Callable | None = None, kl_coef: float = 0.0, ppo_epochs: int = 1,
                  kl_in_reward: bool = False, entropy_coef: float = 0.0,
                  correction_fn: Callable | None = None, correction_options: dict | None = None,
-                 skip_zero_advantage: bool = True, share_prompts: bool = True,
+                 skip_zero_advantage: bool = True, share_prompts: bool | str = "auto",
                  activation_checkpointing: bool = False, memory_budget_mb: float = 0.0,
                  optimizer: str = "adamw", master_dtype: str = "float32", seed: int = 0,
                  release_memory: bool = False, master_rounding: str = "stochastic",
@@ -87,8 +102,8 @@ class Learner:
         self.model, self.peers = model, peers
         if activation_checkpointing:
             enable_checkpointing(model)
+        self.share_prompts = share_prompts
         self._scorers(model, precision, kl_coef)
-        self.share_prompts = share_prompts and not activation_checkpointing
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(optimizer, self.params, lr=lr, betas=betas,
@@ -125,6 +140,10 @@ class Learner:
             self.ref_model = reference_copy(model, precision)
         self.scorer = TokenLogprobs(model)
         self.ref_scorer = TokenLogprobs(self.ref_model) if self.ref_model is not None else None
+        # every model this learner scores with runs grouped, or none does
+        self.groupable = self.share_prompts is not False and all(
+            grouped.install(m) for m in filter(None, (model, self.ref_model)))
+        self._model_config = backbone_and_head(model)[0].config
         if self.peers is not None:
             device = str(next(model.parameters()).device)
             mixed = device.startswith("cuda") and precision == "bf16-autocast"
@@ -138,58 +157,69 @@ class Learner:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logprobs(self, model, rows: Batch, with_entropy: bool = False, share: bool | None = None):
-        """`share`: None, prompts shared where that saves enough (one process); True or
-        False, as the learner ranks agreed (`shards.Peers.plan`)."""
+    def _logprobs(self, model, rows: Batch, with_entropy: bool = False,
+                  micro: MicroBatch | None = None, prefix: grouped.PrefixKV | None = None):
+        """Log-probs (and entropy) of `rows`, grouped as `micro` says; `prefix`: its group's
+        prefix, run before (a piece of a cut group); else run here, without gradients."""
         scorer = self.ref_scorer if model is self.ref_model else self.scorer
-        options = {"share_prompts": self.share_prompts} if share is None else {
-            "share_prompts": share, "min_saving": 0.0}
+        share = micro.share if micro is not None else self._shares(rows)
+        if prefix is None and micro is not None and micro.cut is not None:
+            with torch.no_grad():
+                prefix = grouped.run_prefix(model, micro.prefix_ids).detached()
         with self._autocast():
             return scorer(rows.input_ids, rows.attention_mask, rows.loss_mask,
                           chunk=self.logprob_chunk, temperature=self.temperature,
-                          with_entropy=with_entropy, **options)
+                          with_entropy=with_entropy, share_prompts=share, prefix=prefix)
 
-    def _plan(self, batch: Batch, spare: Batch | None = None
-              ) -> list[tuple[torch.Tensor | None, Batch, float, bool | None]]:
-        """The micro-batches of `batch`: (row indices, the rows on the device, weight, share).
-        Learner ranks agree on their number and kind (`shards.Peers.plan`); a rank with
-        fewer runs one row of `spare` (default: `batch`) at weight 0."""
-        pieces = micro_batches(batch, self.micro_batch_tokens)
+    def _shares(self, batch: Batch) -> bool:
+        """Whether `batch` runs grouped (each group's prompt once): `share_prompts` true,
+        or "auto" and the FLOP model's saving reaches `grouped.AUTO_SAVING`."""
+        if self.share_prompts is False or not self.groupable:
+            return False
+        if self.share_prompts is True:
+            return True
+        return grouped.batch_saving(self._model_config, batch) >= grouped.AUTO_SAVING
+
+    def _plan(self, batch: Batch, spare: Batch | None = None) -> list[MicroBatch]:
+        """The micro-batches of `batch`: whole groups when it runs grouped (a group over
+        the budget cut into pieces, in one process), else rows by length. Learner ranks
+        agree on their number (`shards.Peers.plan`); a rank with fewer runs one row of
+        `spare` (default: `batch`) at weight 0."""
+        share = self._shares(batch)
+        if share:
+            pieces = group_micro_batches(batch, self.micro_batch_tokens,
+                                         split=self.peers is None)
+        else:
+            pieces = [(idx, None, 0) for idx in micro_batches(batch, self.micro_batch_tokens)]
+        out = [MicroBatch(idx, take_rows(batch, idx, trim=True, device=self.device), 1.0,
+                          share, cut, None if cut is None else
+                          batch.input_ids[idx[0], :k].to(self.device))
+               for idx, cut, k in pieces]
         if self.peers is None:
-            return [(idx, take_rows(batch, idx, trim=True, device=self.device), 1.0, None)
-                    for idx in pieces]
+            return out
         spare = batch if spare is None else spare
-        votes = [share_vote(*self._masks(batch, idx)) if self.share_prompts else 0
-                 for idx in pieces]
-        extra = take_rows(spare, torch.arange(1), trim=True, device=self.device) \
+        extra = MicroBatch(None, take_rows(spare, torch.arange(1), trim=True,
+                                           device=self.device), 0.0, False) \
             if spare.num_rows else None
-        return [(idx if weight else None,
-                 take_rows(batch, idx, trim=True, device=self.device) if weight else extra,
-                 weight, share)
-                for idx, weight, share in self.peers.plan(pieces, votes, extra)]
-
-    @staticmethod
-    def _masks(batch: Batch, idx: torch.Tensor):
-        rows = take_rows(batch, idx, trim=True)
-        return rows.input_ids, rows.attention_mask, rows.loss_mask
+        return self.peers.plan(out, extra)
 
     @torch.no_grad()
-    def _ref_logprobs(self, rows: Batch, share: bool | None = None) -> torch.Tensor:
+    def _ref_logprobs(self, rows: Batch, micro: MicroBatch | None = None) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._logprobs(self.ref_model, rows, share=share)
+            return self._logprobs(self.ref_model, rows, micro=micro)
         with self.model.disable_adapter():
-            return self._logprobs(self.model, rows, share=share)
+            return self._logprobs(self.model, rows, micro=micro)
 
     @torch.no_grad()
-    def _over_batch(self, batch: Batch, fn: Callable[[Batch, bool | None], torch.Tensor],
+    def _over_batch(self, batch: Batch, fn: Callable[[Batch, MicroBatch], torch.Tensor],
                     spare: Batch | None = None) -> torch.Tensor:
-        """[N, L] values of `fn(rows, share)` on each micro-batch of `batch`, in row order
+        """[N, L] values of `fn(rows, micro)` on each micro-batch of `batch`, in row order
         (`spare`: `_plan`'s)."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float64)
-        for idx, rows, weight, share in self._plan(batch, spare):
-            values = fn(rows, share)
-            if weight:
-                out[idx, : rows.loss_mask.shape[1]] = values.double().cpu()
+        for micro in self._plan(batch, spare):
+            values = fn(micro.rows, micro)
+            if micro.weight:
+                out[micro.idx, : micro.rows.loss_mask.shape[1]] = values.double().cpu()
         return out
 
     def reference_kl(self, batch: Batch) -> torch.Tensor:
@@ -199,8 +229,8 @@ class Learner:
         if self.kl_coef <= 0:
             raise ValueError("reference_kl needs kl_coef > 0 (no reference model otherwise)")
         self.model.eval()
-        return self._over_batch(batch, lambda rows, share: self.kl_fn(
-            rows.old_logprobs, self._ref_logprobs(rows, share).to(rows.old_logprobs.dtype)
+        return self._over_batch(batch, lambda rows, micro: self.kl_fn(
+            rows.old_logprobs, self._ref_logprobs(rows, micro).to(rows.old_logprobs.dtype)
         ) * rows.loss_mask)
 
     def _correct(self, batch: Batch, spare: Batch | None = None
@@ -210,8 +240,8 @@ class Learner:
         if self.correction_fn is None:
             return batch, None, {}
         self.model.eval()  # no dropout in the recomputed log-probs
-        old = self._over_batch(batch, lambda rows, share: self._logprobs(self.model, rows,
-                                                                         share=share), spare)
+        old = self._over_batch(batch, lambda rows, micro: self._logprobs(self.model, rows,
+                                                                         micro=micro), spare)
         old = old.to(batch.old_logprobs.dtype) * batch.loss_mask
         weights, metrics = self.correction_fn(old, batch.old_logprobs, batch.loss_mask,
                                               **self.correction_options)
@@ -259,13 +289,13 @@ class Learner:
         return batch, dropped
 
     def _penalties(self, logp, entropy, rows: Batch, totals: dict, sums: dict,
-                   share: bool | None = None) -> torch.Tensor:
+                   micro: MicroBatch | None = None) -> torch.Tensor:
         """KL penalty + entropy bonus of one micro-batch, aggregated like the policy loss
         (normalised by batch totals, so micro-batch parts add up)."""
         agg = self.loss_options.get("aggregation", "token-mean")
         extra = torch.zeros((), dtype=logp.dtype, device=logp.device)
         if self.kl_loss_coef > 0:
-            kl = self.kl_fn(logp, self._ref_logprobs(rows, share))
+            kl = self.kl_fn(logp, self._ref_logprobs(rows, micro))
             kl_loss = aggregate(kl, rows.loss_mask, agg,
                                 max_tokens=self.loss_options.get("max_tokens"), **totals)
             extra = extra + self.kl_loss_coef * kl_loss
@@ -285,19 +315,29 @@ class Learner:
         sums: dict[str, float] = {"loss": 0.0}  # skipped rows (if any) add exactly 0
         finite = True
         plan = self._plan(batch, spare)
-        for idx, rows, weight, share in plan:
-            with shards.unsharded(self.scorer, keep=bool(share)):
-                loss, m = self._micro_loss(rows, idx, weight, share, totals, weights, sums)
-                if not torch.isfinite(loss):
-                    finite = False
-                    if self.peers is None:
-                        break
-                    loss = loss.nan_to_num(0.0) * 0  # its peers' collectives still run
-                loss.backward()
-            part = len(rows.input_ids) * weight / max(rows_trained, 1.0)  # mean over rows
-            for k, v in m.items():
+        prefixes: dict[int, tuple[grouped.PrefixKV, grouped.PrefixKV]] = {}
+        for i, micro in enumerate(plan):
+            prefix = None
+            if micro.cut is not None:  # a piece of a cut group: its prefix ran once
+                if micro.cut not in prefixes:
+                    with self._autocast():
+                        ran = grouped.run_prefix(self.model, micro.prefix_ids)
+                    prefixes[micro.cut] = (ran, ran.detached())
+                prefix = prefixes[micro.cut][1]
+            loss, m = self._micro_loss(micro, totals, weights, sums, prefix)
+            if not torch.isfinite(loss):
+                finite = False
+                if self.peers is None:
+                    break
+                loss = loss.nan_to_num(0.0) * 0  # its peers' collectives still run
+            loss.backward()
+            if micro.cut is not None and all(later.cut != micro.cut for later in plan[i + 1:]):
+                ran, given = prefixes.pop(micro.cut)  # its last piece: the prefix's backward
+                ran.backward(given)
+            part = len(micro.rows.input_ids) * micro.weight / max(rows_trained, 1.0)
+            for k, v in m.items():  # a mean over rows
                 sums[k] = sums.get(k, 0.0) + v * part
-            sums["loss"] = sums.get("loss", 0.0) + loss.item() * weight
+            sums["loss"] = sums.get("loss", 0.0) + loss.item() * micro.weight
         if self.peers is not None:
             finite = self.peers.largest(0.0 if finite else 1.0) == 0.0
             sums = self.peers.total(sums)
@@ -317,22 +357,25 @@ class Learner:
         self.scheduler.step()
         return sums | {"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 0.0}
 
-    def _micro_loss(self, rows: Batch, idx: torch.Tensor | None, weight: float,
-                    share: bool | None, totals: dict, weights: torch.Tensor | None,
-                    sums: dict) -> tuple[torch.Tensor, dict]:
-        """The loss of one micro-batch (times `weight`) and the loss function's figures."""
+    def _micro_loss(self, micro: MicroBatch, totals: dict, weights: torch.Tensor | None,
+                    sums: dict, prefix: grouped.PrefixKV | None = None
+                    ) -> tuple[torch.Tensor, dict]:
+        """The loss of one micro-batch (times its weight) and the loss function's figures;
+        `prefix`: its group's prefix keys and values (a piece of a cut group)."""
+        rows, idx, weight = micro.rows, micro.idx, micro.weight
         entropy = None
         if self.entropy_coef > 0:
-            logp, entropy = self._logprobs(self.model, rows, with_entropy=True, share=share)
+            logp, entropy = self._logprobs(self.model, rows, with_entropy=True, micro=micro,
+                                           prefix=prefix)
         else:
-            logp = self._logprobs(self.model, rows, share=share)
+            logp = self._logprobs(self.model, rows, micro=micro, prefix=prefix)
         extra = {} if weights is None else {"weights": (
             weights[idx][:, : logp.shape[1]].to(self.device, logp.dtype) if idx is not None
             else torch.ones_like(logp))}
         loss, m = self.loss_fn(logp, rows.old_logprobs, rows.advantages, rows.loss_mask,
                                **self.loss_options, **totals, **extra)
         penalty_sums: dict[str, float] = {}
-        loss = loss + self._penalties(logp, entropy, rows, totals, penalty_sums, share)
+        loss = loss + self._penalties(logp, entropy, rows, totals, penalty_sums, micro)
         for k, v in penalty_sums.items():
             sums[k] = sums.get(k, 0.0) + v * weight
         return loss * weight if weight != 1.0 else loss, m

@@ -7,8 +7,8 @@ backward pass instead of storing them. Full-vocabulary logits therefore never ex
 than `chunk` tokens at once, in the forward or the backward pass.
 
 Rows that share a prompt (the G samples of a GRPO group) share its forward pass: each
-distinct prompt runs once, its keys and values are handed to the rows that continue it, and
-only the responses run per row; gradients flow back through the shared keys and values.
+distinct prompt runs once and only the responses run per row, in one grouped layer pass
+(learner/grouped.py); gradients from every response flow back into the shared prompt.
 The function computed is the same (float rounding aside); the tokens processed fall from
 N x (P + R) to groups x P + N x R, which matters most when prompts are long beside the
 responses (a chat template around a short question).
@@ -17,6 +17,8 @@ responses (a chat template around a short question).
 from __future__ import annotations
 
 import torch
+
+from rollwise.learner import grouped
 
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
@@ -96,96 +98,6 @@ def backbone_and_head(model):
     return base.get_decoder(), base.get_output_embeddings().weight
 
 
-MIN_SAVING = 0.2  # prompts are shared when that saves at least this share of the tokens
-
-
-def _shared_prefix_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        loss_mask: torch.Tensor, min_saving: float = MIN_SAVING):
-    """How rows share prompts: (prefix ids [G, K], prefix mask [G, K], group of each row [N],
-    prefix length of each row [N]), or None when sharing would save less than `min_saving`
-    of the tokens (or a row has no response token). Row r's prefix is everything before the
-    position that predicts its first response token: K_r = first response position - 1."""
-    lengths = attention_mask.sum(-1)  # [N]
-    has = loss_mask.bool().any(-1)
-    if not bool(has.all()):
-        return None
-    k = loss_mask.bool().float().argmax(-1) - 1  # [N]
-    if int(k.min()) < 1:
-        return None
-    keys: dict[tuple[int, ...], int] = {}
-    group = []
-    for row, kr in zip(input_ids.tolist(), k.tolist()):
-        group.append(keys.setdefault(tuple(row[:kr]), len(keys)))
-    prefixes = list(keys)
-    kmax, width = max(map(len, prefixes)), int((lengths - k).max())
-    shared = len(prefixes) * kmax + input_ids.shape[0] * width
-    if shared > (1 - min_saving) * input_ids.shape[0] * input_ids.shape[1]:
-        return None
-    ids = torch.zeros(len(prefixes), kmax, dtype=input_ids.dtype)
-    mask = torch.zeros(len(prefixes), kmax, dtype=attention_mask.dtype)
-    for g, prefix in enumerate(prefixes):
-        ids[g, : len(prefix)] = torch.tensor(prefix, dtype=input_ids.dtype)
-        mask[g, : len(prefix)] = 1
-    dev = input_ids.device
-    return ids.to(dev), mask.to(dev), torch.tensor(group, device=dev), k
-
-
-def _hidden_shared(decoder, input_ids, attention_mask, loss_mask, plan):
-    """(hidden states [M, H] at the positions predicting response tokens, targets [M],
-    their (row, column) in the [N, L] layout), the prompts run once per group."""
-    from transformers import DynamicCache
-
-    pre_ids, pre_mask, group, k = plan
-    length = input_ids.shape[1]
-    pre = decoder(input_ids=pre_ids, attention_mask=pre_mask, use_cache=True)
-    cache = DynamicCache(ddp_cache_data=[
-        (keys.index_select(0, group), values.index_select(0, group))
-        for keys, values in _cache_layers(_cache_of(pre))])
-    lengths = attention_mask.sum(-1)
-    width = int((lengths - k).max())
-    steps = torch.arange(width, device=input_ids.device)
-    cols = (k[:, None] + steps).clamp_(max=length - 1)  # [N, W] absolute positions
-    live = steps[None, :] < (lengths - k)[:, None]  # real suffix tokens
-    ids = input_ids.gather(1, cols) * live
-    mask = torch.cat([pre_mask.index_select(0, group), live.to(attention_mask.dtype)], 1)
-    hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=k[:, None] + steps,
-                     use_cache=True, **{_cache_arg(decoder): cache}).last_hidden_state  # [N, W, H]
-    nxt = (cols + 1).clamp_(max=length - 1)
-    select = loss_mask.gather(1, nxt).bool() & (steps[None, :] < (lengths - k - 1)[:, None])
-    rows, js = torch.nonzero(select, as_tuple=True)
-    return hidden[select], input_ids.gather(1, nxt)[select], (rows, k[rows] + js + 1)
-
-
-def _cache_arg(decoder) -> str:
-    """The keyword a transformers decoder takes its KV cache by (renamed in transformers 5)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(decoder.forward).parameters \
-        else "past_key_values"
-
-
-def _cache_of(output):
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
-
-
-def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[(keys, values)] per layer, each [B, kv_heads, T, head_dim], across cache layouts."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))
-
-
-def share_vote(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               loss_mask: torch.Tensor) -> int:
-    """Whether these rows share their prompts: 2 when that saves `MIN_SAVING` of the tokens,
-    1 when they could (every row has a response token after a prompt), 0 when they cannot.
-    Learner ranks vote with it, so that all run a micro-batch the same way."""
-    if _shared_prefix_plan(input_ids, attention_mask, loss_mask) is not None:
-        return 2
-    return int(_shared_prefix_plan(input_ids, attention_mask, loss_mask, 0.0) is not None)
-
-
 class TokenLogprobs(torch.nn.Module):
     """`token_logprobs` of `model` as a module: a sharded learner shards it as its root, so
     that the output layer's weight is gathered around the whole computation."""
@@ -201,21 +113,23 @@ class TokenLogprobs(torch.nn.Module):
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    loss_mask: torch.Tensor, *, chunk: int = 1024, temperature: float = 1.0,
                    with_entropy: bool = False, share_prompts: bool = True,
-                   min_saving: float = MIN_SAVING
+                   prefix: grouped.PrefixKV | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[N, L] log pi(input_ids[t] | input_ids[<t]) where loss_mask[t] is 1, else 0; with
     `with_entropy`, also [N, L] the entropy of pi(. | input_ids[<t]) at those positions.
-    `min_saving`: the share of tokens sharing must save (0: share whenever rows can).
 
     Right-padded rows (prompt, response, padding); position 0 is never a response token.
     The entropy costs one extra reduction per chunk and is skipped unless asked for. With
-    `share_prompts`, rows with the same prompt run it once (module docstring).
+    `share_prompts` (and a decoder the grouped pass knows), each group's prompt runs once
+    (learner/grouped.py); `prefix`: the rows are pieces of one group whose prefix ran
+    before (`grouped.run_prefix`).
     """
     decoder, weight = backbone_and_head(model)
-    plan = _shared_prefix_plan(input_ids, attention_mask, loss_mask, min_saving) \
-        if share_prompts else None
-    if plan is not None:
-        h, targets, where = _hidden_shared(decoder, input_ids, attention_mask, loss_mask, plan)
+    if prefix is not None or (share_prompts and grouped.install(model)):
+        plan = grouped.plan_groups(input_ids, attention_mask, loss_mask, prefix
+                                   ).to(input_ids.device)
+        h = grouped.grouped_hidden(decoder, plan)
+        targets, where = plan.targets, (plan.rows, plan.cols)
     else:
         # no key/value cache: nothing reads it, and it would hold every layer's keys and values
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,

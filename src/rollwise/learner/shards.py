@@ -16,10 +16,11 @@ rank's loss is already normalised by the whole batch's token and sequence counts
 FSDP's gathers and reductions are collectives: every rank must run the same number of
 forward and backward passes through each layer, in the same order. `Peers.plan` makes the
 ranks agree before an update: the largest micro-batch count wins (a rank with fewer runs a
-zero-weight pass over one of its rows), and a micro-batch runs its prompts once per group
-(learner/logprobs.py) only when every rank's piece can, since that path calls each layer
-twice. In that path the gathered weights stay until the backward ends (`unsharded`),
-because FSDP cannot gather a layer again for the backward of its first call.
+zero-weight pass over one of its rows). Whether a micro-batch runs grouped (each group's
+prompt once, learner/grouped.py) or per row is each rank's own choice: both call every
+layer once. A group too large for one micro-batch runs whole on a rank (cut into pieces,
+its prefix would be run and differentiated apart from them: passes its peers would not
+match).
 
 Weights move between the ranks and one full copy (the driver's policy, which the rollout
 engine reads, a checkpoint saves and publications are made from) without collectives: each
@@ -31,14 +32,12 @@ Imports torch only.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-
-Plan = list[tuple[torch.Tensor, float, bool]]  # (row indices, weight 0 or 1, share prompts)
 
 
 @dataclass
@@ -72,25 +71,16 @@ class Peers:
 
         return self._reduce([value], dist.ReduceOp.MAX)[0]
 
-    def plan(self, pieces: list[torch.Tensor], votes: list[int], spare: torch.Tensor | None
-             ) -> Plan:
-        """The micro-batches every rank runs, in the same number and kind: `pieces` (this
-        rank's row indices per micro-batch), each one's vote on sharing its prompts (2: it
-        saves enough, 1: it could, 0: it cannot), and `spare`, one row this rank can run at
-        weight 0 when another rank has more micro-batches (None: none). A micro-batch
-        shares its prompts when every rank's piece could and one saves enough."""
-        import torch.distributed as dist
-
+    def plan(self, pieces: list[Any], spare: Any | None) -> list[Any]:
+        """The micro-batches this rank runs, as many as the rank with the most: `pieces`,
+        then `spare` (a micro-batch of weight 0: one of its rows; None when it has none)
+        repeated. Every rank calls each decoder layer once per micro-batch, whatever path
+        its rows take (grouped or per row), so only the count must agree."""
         count = int(self.largest(len(pieces)))
-        if count and spare is None:
+        if count > len(pieces) and spare is None:
             raise RuntimeError(f"learner rank {self.rank} has no row to run while its peers "
                                "run micro-batches (more learner.shards than rows)")
-        spare_vote = votes[0] if votes else 0
-        mine = [(p, 1.0, v) for p, v in zip(pieces, votes)]
-        mine += [(spare, 0.0, spare_vote)] * (count - len(pieces))
-        low = self._reduce([v for _, _, v in mine], dist.ReduceOp.MIN)
-        high = self._reduce([v for _, _, v in mine], dist.ReduceOp.MAX)
-        return [(p, w, lo >= 1 and hi >= 2) for (p, w, _), lo, hi in zip(mine, low, high)]
+        return list(pieces) + [spare] * (count - len(pieces))
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -153,26 +143,6 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-@contextlib.contextmanager
-def unsharded(root: torch.nn.Module, keep: bool):
-    """With `keep`, the gathered weights stay from the first forward to the end of the
-    backward (the prompt-sharing path calls each layer twice), then are dropped."""
-    if not keep or not is_sharded(root):
-        yield
-        return
-    modules = _sharded(root)
-    for m in modules:
-        m.set_reshard_after_forward(False)
-        m.set_reshard_after_backward(False)
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.reshard()
-            m.set_reshard_after_forward(True)
-            m.set_reshard_after_backward(True)
-
-
 def total_norm(norm: torch.Tensor) -> float:
     """A gradient norm as a float; over sharded gradients it is a DTensor whose value is
     the norm over every rank's shard."""
@@ -191,24 +161,35 @@ def _rows(p) -> tuple[int, int]:
     return (offset[0], shape[0]) if shape else (0, 0)
 
 
-def _pairs(model: torch.nn.Module, full: dict[str, torch.Tensor], trainable_only: bool):
-    """(this rank's shard, the rows of the full tensor it holds) per parameter, a tied
-    parameter once."""
-    from torch.distributed.tensor import DTensor
-
+def _params(model: torch.nn.Module, trainable_only: bool):
+    """(name, parameter) of each (trainable) parameter, a tied one once: the order every
+    rank walks them in (a gather is a collective)."""
     seen = set()
-    for name, p in model.named_parameters(remove_duplicate=True):
+    for name, p in model.named_parameters():
         if (trainable_only and not p.requires_grad) or id(p) in seen:
             continue
         seen.add(id(p))
-        target = full[name]
-        if not isinstance(p, DTensor):
-            yield p.data, target
-            continue
-        start, count = _rows(p)
-        local = p.to_local()
-        if count:
-            yield local.view(count, *target.shape[1:]), target[start: start + count]
+        yield name, p
+
+
+def _local_rows(p) -> tuple[int, torch.Tensor]:
+    """(first row, the rows of the full tensor this rank's shard of `p` holds)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return 0, p.data
+    start, count = _rows(p)
+    return start, p.to_local().view(count, *p.shape[1:])
+
+
+def _pairs(model: torch.nn.Module, full: dict[str, torch.Tensor], trainable_only: bool):
+    """(this rank's rows of each parameter, the same rows of its full tensor in `full`)."""
+    for name, p in _params(model, trainable_only):
+        start, local = _local_rows(p)
+        if local.shape == full[name].shape:
+            yield local, full[name]
+        elif local.shape[0]:
+            yield local, full[name][start: start + local.shape[0]]
 
 
 @torch.no_grad()
@@ -236,11 +217,7 @@ def gather_full(model: torch.nn.Module, into: dict[str, torch.Tensor] | None) ->
     one at a time, and copied into `into` where given (rank 0's whole copy)."""
     from torch.distributed.tensor import DTensor
 
-    seen = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
+    for name, p in _params(model, trainable_only=True):
         full = p.full_tensor() if isinstance(p, DTensor) else p
         if into is not None:
             into[name].copy_(full)
@@ -250,18 +227,10 @@ def gather_full(model: torch.nn.Module, into: dict[str, torch.Tensor] | None) ->
 def shard_arrays(model: torch.nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
     """name -> (first row, this rank's rows) of each trainable parameter: what a rank in
     another process sends for the driver to place into its full copy."""
-    from torch.distributed.tensor import DTensor
-
-    out, seen = {}, set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        if isinstance(p, DTensor):
-            start, count = _rows(p)
-            out[name] = (start, p.to_local().detach().reshape(count, *p.shape[1:]).cpu())
-        else:
-            out[name] = (0, p.detach().cpu())
+    out = {}
+    for name, p in _params(model, trainable_only=True):
+        start, local = _local_rows(p)
+        out[name] = (start, local.detach().cpu())
     return out
 
 
