@@ -270,8 +270,8 @@ def test_flops_counted_match_the_model_with_one_prefix_pass_per_group() -> None:
     counted = {}
     for share in (False, True):
         with torch.no_grad():
-            counted[share] = count_flops(lambda: token_logprobs(
-                model, ids, att, mask, share_prompts=share))[1]
+            counted[share] = count_flops(lambda s=share: token_logprobs(
+                model, ids, att, mask, share_prompts=s))[1]
     plan = grouped.plan_groups(ids, att, mask)
     assert plan.pre_len.tolist() == [95, 95]  # one prefix pass per group
     assert plan.run_tokens() == 2 * 95 + int(att.sum()) - n * 95
