@@ -55,8 +55,9 @@ def group_micro_batches(batch: Batch, max_tokens: int, split: bool = True
     cut into pieces it belongs to, else None, and that group's prefix length, else 0).
     Whole groups are packed, largest first, while the tokens that run stay within
     `max_tokens`: each group's prefix once plus its rows' suffixes (a row with no trained
-    token runs nothing; a group of one row runs its row). A group over `max_tokens` on its own is cut into pieces of its rows, each within the
-    budget with the prefix counted (`split`; else it runs whole, over the budget)."""
+    token runs nothing; a group of one row runs its row). A group over `max_tokens` on its
+    own is cut into pieces of its rows, each within the budget with the prefix counted
+    (`split`; else it runs whole, over the budget)."""
     from rollwise.learner.grouped import prefix_lengths
 
     lengths = batch.attention_mask.sum(-1).tolist()
