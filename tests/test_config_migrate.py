@@ -60,6 +60,9 @@ worker_cpus = 2.0
 allocator = "dars"
 allocator_options = { first_n = 0, max_n = 16, schedule = "hw", std = true }
 explore = 0.25
+
+[learner]
+share_prompts = true  # the old run set it; the default is "auto" now
 """
 
 

@@ -41,7 +41,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "control": ("types", "registry"),
     "envs": ("types", "rewards"),
     "tasks": ("types", "registry", "rewards", "envs"),
-    "learner": ("types", "system", "algos", "models"),
+    "learner": ("types", "system", "algos", "models", "engine"),  # engine: its attention
     "rollout": ("types", "system", "replay", "engine", "rewards", "envs"),
     "compose": (*_COMPONENTS, "observe"),  # observe: the logger sinks' names
     "run": (*_COMPONENTS, "observe", "compose"),

@@ -240,15 +240,20 @@ def test_learner_update_equals_per_row(tiny_llama, exact_norms, case) -> None:
 
 
 def test_auto_shares_when_the_flop_model_says_it_pays() -> None:
-    """`auto`: long shared prompts run grouped; distinct prompts (groups of one) and short
-    prompts beside long responses run per row."""
+    """`auto`: long shared prompts run grouped; distinct prompts of one length (nothing to
+    save: the grouped pass would only cost its overhead) and short prompts beside long
+    responses run per row. The per-row side of the model pads each micro-batch's rows to
+    its longest, as that pass does."""
     cfg = smollm2_shape(layers=1).config
     long = batch_of(*rows([8, 8], [512, 512], response=(32, 64)))
-    distinct = batch_of(*rows([1] * 8, [40] * 8, response=(40, 60)))
-    short = batch_of(*rows([2, 2], [4, 4], response=(120, 128)))
+    distinct = batch_of(*rows([1] * 8, [40] * 8, response=(50, 51)))
+    short = batch_of(*rows([2, 2], [4, 4], response=(120, 122)))
     assert grouped.batch_saving(cfg, long) > 0.7  # the FLOP model: 3.9x at P = 512, R = 64
     assert grouped.batch_saving(cfg, distinct) == pytest.approx(0.0, abs=1e-12)
-    assert grouped.batch_saving(cfg, short) < grouped.AUTO_SAVING
+    assert 0 < grouped.batch_saving(cfg, short) < grouped.AUTO_SAVING
+    # ragged rows: the per-row pass runs padding the grouped one does not
+    ragged = batch_of(*rows([1] * 8, [40] * 8, response=(10, 90)))
+    assert grouped.batch_saving(cfg, ragged) > grouped.AUTO_SAVING
     model = smollm2_shape(layers=1)
     run = learner(model, share_prompts="auto")
     assert run._shares(long) and not run._shares(distinct) and not run._shares(short)

@@ -314,6 +314,9 @@ def test_bench_e2e_precision_axis_and_learner_bench(tmp_path) -> None:
     data = bench_learner.run("tiny", prompts=2, n=4, max_tokens=8, reps=1)
     assert [r["variant"] for r in data["variants"]] == list(bench_learner.VARIANTS)
     assert data["rows"] == 8 and all(r["update_s"] > 0 for r in data["variants"])
+    # counted FLOPs: each group's prompt once costs fewer than every row's own copy
+    gflop = {r["variant"]: r["gflop"] for r in data["variants"]}
+    assert gflop["float32-unshared"] > gflop["float32"] > 0
 
 
 def test_packed_bf16_weights_give_the_plain_product() -> None:

@@ -227,8 +227,9 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
             reps: Annotated[int, typer.Option(help="Alternating repetitions.")] = 3,
             threads: ThreadsOpt = 0,
             variant: Annotated[list[str] | None, typer.Option(
-                help="Variants to time (repeatable; default all): float32, float32-unshared, "
-                "float32+tis, bf16-autocast, bf16-autocast+tis.")] = None,
+                help="Variants to time (repeatable; default: float32, float32-unshared, "
+                "float32+tis, bf16-autocast, bf16-autocast+tis; with --prompt-tokens: "
+                "float32-unshared, float32, and both +ckpt).")] = None,
             device: DeviceOpt = "cpu",
             shards: Annotated[list[int] | None, typer.Option(
                 "--shards", help="Compare the learner over these numbers of FSDP2 ranks "
@@ -236,7 +237,14 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
                 "time (docs/scaling.md).")] = None,
             engine_dtype: Annotated[str, typer.Option(
                 help="With --shards: the rollout engine's dtype the publication installs "
-                "into (float32, bfloat16, int8).")] = "float32"):
+                "into (float32, bfloat16, int8).")] = "float32",
+            prompt_tokens: Annotated[int, typer.Option(
+                help="Make every prompt this many tokens (filler before the question): the "
+                "long-prompt workload, e.g. --prompt-tokens 512 --max-tokens 64.")] = 0,
+            max_tokens: Annotated[int, typer.Option(
+                help="Most tokens a sampled response has.")] = 64,
+            flops: Annotated[bool, typer.Option(
+                help="Count each variant's FLOPs in one more update.")] = True):
     """One learner update on a fixed batch: float32 vs bfloat16 autocast (+ TIS), prompts
     shared or not; with --shards, one process against N ranks."""
     if shards:
@@ -247,7 +255,8 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
         return
     from rollwise.bench import learner as bl
 
-    bl.command(model=model, json=json, reps=reps, threads=threads, variant=variant, device=device)
+    bl.command(model=model, json=json, reps=reps, threads=threads, variant=variant, device=device,
+               prompt_tokens=prompt_tokens, max_tokens=max_tokens, flops=flops)
 
 
 @bench_app.command("memory")

@@ -1,6 +1,7 @@
 """The learner: response-token log-probs in chunks, micro-batches, AdamW, LoRA, checkpoints.
 
-May import: types, system, algos, models.
+May import: types, system, algos, models, engine. The engine's grouped-prefix attention
+is the learner's too (learner/grouped.py).
 """
 
 from rollwise.learner.batch import collate, micro_batches

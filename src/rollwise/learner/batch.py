@@ -62,9 +62,13 @@ def group_micro_batches(batch: Batch, max_tokens: int, split: bool = True
 
     lengths = batch.attention_mask.sum(-1).tolist()
     k = prefix_lengths(batch.loss_mask).tolist()
-    units: dict[int, list[int]] = {}
+    # a unit: the rows of one group with one prefix (rows a group_id joins under other
+    # prompts are units of their own), and the group's rows with no trained token
+    units: dict[tuple, list[int]] = {}
+    ids = batch.input_ids
     for i, g in enumerate(batch.group_ids.tolist()):
-        units.setdefault(g, []).append(i)
+        key = (g, tuple(ids[i, : k[i]].tolist())) if k[i] >= 0 else (g, None)
+        units.setdefault(key, []).append(i)
 
     def prefix(rows: list[int]) -> int:
         trained = [k[r] for r in rows if k[r] >= 0]

@@ -45,8 +45,9 @@ from rollwise.engine.attention import GroupLayout, attend_regions, region_mask
 GROUPED = "rollwise_grouped"  # the attention implementation's registered name
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 # learner.share_prompts = "auto" runs a batch grouped when the FLOP model says that saves at
-# least this share of the layers' FLOPs (docs/performance.md: below it the regrouping's own
-# cost eats the saving)
+# least this share of the layers' FLOPs: with nothing to save (distinct prompts, rows of one
+# length) the grouped pass took 1.10x the per-row one on SmolLM2 (its attention is plain
+# products, not the fused kernel; the regrouping gathers), docs/performance.md
 AUTO_SAVING = 0.10
 
 
@@ -196,8 +197,6 @@ def run_prefix(model, prefix_ids: torch.Tensor) -> PrefixKV:
                      pre_len=torch.tensor([n], device=dev), suf_index=empty[None],
                      suf_len=empty, group=empty, place=empty, predict=empty, targets=empty,
                      rows=empty, cols=empty, width=1, mode="prefix", kv=kv)
-    from rollwise.learner.logprobs import backbone_and_head
-
     grouped_hidden(backbone_and_head(model)[0], plan)
     return kv
 
@@ -262,6 +261,12 @@ def _original(module):
     import importlib
 
     return importlib.import_module(type(module).__module__).eager_attention_forward
+
+
+def backbone_and_head(model):
+    """(callable returning final hidden states [N, L, H], output-layer weight [V, H])."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings().weight
 
 
 def supported(model) -> bool:
@@ -334,20 +339,27 @@ def grouped_cost(cfg, prefixes: list[int], suffixes: list[tuple[int, int]]) -> f
     return layer_flops(cfg, sum(prefixes) + sum(s for _, s in suffixes), pairs)
 
 
-def batch_saving(cfg, batch) -> float:
-    """The share of a batch's per-row layer FLOPs the grouped pass saves (FLOP model):
-    groups by `batch.group_ids`, rows with no trained token left out as the pass does."""
+def batch_saving(cfg, batch, micro_batch_tokens: int = 4096) -> float:
+    """The share of the per-row pass's layer FLOPs that the grouped pass saves on `batch`
+    (the FLOP model, each side as it runs): per row, every micro-batch (`micro_batches`)
+    pads its rows to its longest; grouped, each group's prefix once, then the suffixes,
+    without padding (groups by `batch.group_ids`; rows with no trained token left out)."""
+    from rollwise.learner.batch import micro_batches
+
     lengths = batch.attention_mask.sum(-1).tolist()
     k = prefix_lengths(batch.loss_mask).tolist()
     groups: dict[int, list[int]] = {}
     for r, g in enumerate(batch.group_ids.tolist()):
         if k[r] >= 0:
             groups.setdefault(g, []).append(r)
-    prefixes, suffixes, rows = [], [], []
+    prefixes, suffixes = [], []
     for members in groups.values():
         p = min(k[r] for r in members) if len(members) > 1 else 0
         prefixes.append(p)
         suffixes += [(p, lengths[r] - p) for r in members]
-        rows += [lengths[r] for r in members]
-    per_row = row_cost(cfg, rows)
+    padded = []
+    for idx in micro_batches(batch, micro_batch_tokens):
+        longest = max(lengths[i] for i in idx.tolist())
+        padded += [longest] * len(idx)
+    per_row = row_cost(cfg, padded)
     return 1.0 - grouped_cost(cfg, prefixes, suffixes) / per_row if per_row else 0.0

@@ -46,7 +46,8 @@ import torch
 from rollwise.algos import aggregate, is_zero_at_zero_advantage
 from rollwise.learner import grouped, shards
 from rollwise.learner.batch import group_micro_batches, micro_batches, take_rows
-from rollwise.learner.logprobs import TokenLogprobs, backbone_and_head
+from rollwise.learner.grouped import backbone_and_head
+from rollwise.learner.logprobs import TokenLogprobs
 from rollwise.learner.memory import enable_checkpointing, fit_budget, reference_copy
 from rollwise.learner.optim import build_optimizer, load_plain_state, plain_state
 from rollwise.learner.stochastic import bfloat16_master
@@ -178,7 +179,8 @@ class Learner:
             return False
         if self.share_prompts is True:
             return True
-        return grouped.batch_saving(self._model_config, batch) >= grouped.AUTO_SAVING
+        return grouped.batch_saving(self._model_config, batch,
+                                    self.micro_batch_tokens) >= grouped.AUTO_SAVING
 
     def _plan(self, batch: Batch, spare: Batch | None = None) -> list[MicroBatch]:
         """The micro-batches of `batch`: whole groups when it runs grouped (a group over

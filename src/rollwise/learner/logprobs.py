@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from rollwise.learner import grouped
+from rollwise.learner.grouped import backbone_and_head
 
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
@@ -90,12 +91,6 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
 def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
     """x / temperature, skipped at 1 (no copy)."""
     return x if temperature == 1.0 else x / temperature
-
-
-def backbone_and_head(model):
-    """(callable returning final hidden states [N, L, H], output-layer weight [V, H])."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings().weight
 
 
 class TokenLogprobs(torch.nn.Module):
