@@ -243,6 +243,8 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
                 "long-prompt workload, e.g. --prompt-tokens 512 --max-tokens 64.")] = 0,
             max_tokens: Annotated[int, typer.Option(
                 help="Most tokens a sampled response has.")] = 64,
+            prompts: Annotated[int, typer.Option(
+                help="Prompts in the batch (each sampled 8 times).")] = 4,
             flops: Annotated[bool, typer.Option(
                 help="Count each variant's FLOPs in one more update.")] = True):
     """One learner update on a fixed batch: float32 vs bfloat16 autocast (+ TIS), prompts
@@ -256,7 +258,7 @@ def learner(model: ModelOpt = "smollm2-135m", json: JsonOpt = None,
     from rollwise.bench import learner as bl
 
     bl.command(model=model, json=json, reps=reps, threads=threads, variant=variant, device=device,
-               prompt_tokens=prompt_tokens, max_tokens=max_tokens, flops=flops)
+               prompt_tokens=prompt_tokens, max_tokens=max_tokens, flops=flops, prompts=prompts)
 
 
 @bench_app.command("memory")

@@ -205,8 +205,8 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
 
 
 def command(*, model: str, json: Path | None, reps: int, threads: int, variant: list[str] | None,
-            device: str, prompt_tokens: int = 0, max_tokens: int = 64, flops: bool = True
-            ) -> None:
+            device: str, prompt_tokens: int = 0, max_tokens: int = 64, flops: bool = True,
+            prompts: int = 4) -> None:
     """`rollwise bench learner`: run it, print the tables, write `json` (and its page)."""
     from rollwise.compose.preflight import require_device
     from rollwise.system.runtime import configure
@@ -217,8 +217,8 @@ def command(*, model: str, json: Path | None, reps: int, threads: int, variant: 
     bad = [v for v in variants if v not in KNOWN]
     if bad:
         raise typer.BadParameter(f"unknown variant(s) {bad}; known: {', '.join(KNOWN)}")
-    data = run(model, reps=reps, variants=variants, device=device, progress=say,
-               prompt_tokens=prompt_tokens, max_tokens=max_tokens, flops=flops)
+    data = run(model, prompts=prompts, reps=reps, variants=variants, device=device,
+               progress=say, prompt_tokens=prompt_tokens, max_tokens=max_tokens, flops=flops)
     print_table(f"learner update: {model}, {data['rows']} rows, {data['tokens']} tokens, "
                 f"{data['threads']} threads", data["variants"],
                 ["variant", "update_s", "min_s", "max_s", f"speedup_vs_{variants[0]}",

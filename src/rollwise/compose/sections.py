@@ -394,7 +394,7 @@ class LearnerConfig(Section):
     activation_checkpointing: bool = Field(
         default_of(Learner, "activation_checkpointing"), description="Keep only each decoder "
         "layer's input and recompute the rest in the backward pass: much less activation memory, "
-        "more learner time (prompts are then not shared; 1.6-2x on the quickstart).")
+        "more learner time (one more forward pass of the layers; prompts stay shared).")
     memory_budget_mb: float = Field(
         default_of(Learner, "memory_budget_mb"), ge=0, description="MiB the update's activations "
         "may take beyond the weights, gradients and optimizer state: micro_batch_tokens and "

@@ -255,7 +255,7 @@ def _original(module):
     """The attention function the model used before `install` (sdpa, eager, flash...)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = getattr(module.config, _ORIGINAL, "sdpa")
+    name = getattr(module, _ORIGINAL, "sdpa")
     if name in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[name]
     import importlib
@@ -285,14 +285,18 @@ def install(model) -> bool:
 
     AttentionInterface.register(GROUPED, grouped_attention)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for cfg in {id(m.config): m.config for m in base.modules() if hasattr(m, "config")}.values():
-        current = getattr(cfg, "_attn_implementation", None) or "sdpa"
-        if current == GROUPED:
+    for m in base.modules():  # the original is kept on the modules, not in the config
+        cfg = getattr(m, "config", None)  # (which checkpoints and exports write out)
+        if cfg is None:
             continue
-        setattr(cfg, _ORIGINAL, current)
-        AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS[
-            current if current in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"])
-        cfg._attn_implementation = GROUPED
+        current = getattr(cfg, "_attn_implementation", None) or "sdpa"
+        if current != GROUPED:
+            for owner in base.modules():
+                if getattr(owner, "config", None) is cfg:
+                    setattr(owner, _ORIGINAL, current)
+            AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS[
+                current if current in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"])
+            cfg._attn_implementation = GROUPED
     return True
 
 

@@ -20,9 +20,8 @@ skip (up to float summation order).
 
 Memory: the output layer's log-probs are computed in chunks (learner/logprobs.py); with
 `activation_checkpointing` each decoder layer keeps only its input and recomputes the rest
-in the backward pass (one more forward pass of the decoder, and prompts are then not shared,
-since a recomputed layer cannot replay a key/value cache: 1.6-2x the quickstart's learner
-time, docs/performance.md); `memory_budget_mb` caps the micro-batch
+in the backward pass (one more forward pass of the decoder; a grouped layer recomputes its
+prompt and responses alike, so prompts stay shared); `memory_budget_mb` caps the micro-batch
 and the log-prob chunk so that the activations fit (learner/memory.py). With `master_dtype`
 "bfloat16" the weights and gradients are bfloat16 (half the bytes; the engine then reads them
 in place) and the optimizer rounds its updates stochastically (learner/stochastic.py).
@@ -84,8 +83,9 @@ class Learner:
                  optimizer: str = "adamw", master_dtype: str = "float32", seed: int = 0,
                  release_memory: bool = False, master_rounding: str = "stochastic",
                  peers: shards.Peers | None = None):
-        """`share_prompts`: rows with the same prompt run it once per micro-batch (the
-        same log-probs and gradients; learner/logprobs.py). `activation_checkpointing` and
+        """`share_prompts`: each group's prompt runs once (the grouped layer pass,
+        learner/grouped.py: the same log-probs and gradients), micro-batches holding whole
+        groups; "auto" where the FLOP model says it saves `grouped.AUTO_SAVING`. `activation_checkpointing` and
         `memory_budget_mb` (0: none): the module docstring. `optimizer`: a name of
         learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit, float8 or bfloat16 moments).
         `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so),
