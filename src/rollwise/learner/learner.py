@@ -86,8 +86,9 @@ class Learner:
         """`share_prompts`: each group's prompt runs once (the grouped layer pass,
         learner/grouped.py: the same log-probs and gradients), micro-batches holding whole
         groups; "auto" where the FLOP model says it saves `grouped.AUTO_SAVING`.
-        `activation_checkpointing` and `memory_budget_mb` (0: none): the module docstring. `optimizer`: a name of
-        learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit, float8 or bfloat16 moments).
+        `activation_checkpointing` and `memory_budget_mb` (0: none): the module docstring.
+        `optimizer`: a name of learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit, float8
+        or bfloat16 moments).
         `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so),
         its updates rounded stochastically (`seed` seeds it) or, `master_rounding`
         "compensated", kept by an int8 residual each (learner/stochastic.py).
