@@ -96,13 +96,12 @@ def _phase(peaks: dict[str, dict[str, float]], name: str):
     return measure()
 
 
-def long_prompts(policy, pairs, prompt_tokens: int):
-    """Each prompt made `prompt_tokens` long: filler text (the task's other questions, over
-    and over) before its own tokens."""
+def long_prompts(pairs, prompt_tokens: int):
+    """Each prompt made `prompt_tokens` long: filler tokens (the batch's prompts, over and
+    over) before its own."""
     filler: list[int] = []
-    text = " ".join(s.prompt for s, _ in pairs) or "filler"
     while len(filler) < prompt_tokens:
-        filler += policy.encode(text)
+        filler += [t for _, ids in pairs for t in ids]
     return [(sample, filler[: max(prompt_tokens - len(ids), 0)] + list(ids))
             for sample, ids in pairs]
 
@@ -155,7 +154,7 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
 
     policy, pairs = load_workload(model, prompts, seed, device, split="pairs")
     if prompt_tokens:
-        pairs = long_prompts(policy, pairs, prompt_tokens)
+        pairs = long_prompts(pairs, prompt_tokens)
     peaks: dict[str, dict[str, float]] = {}
     batch, reward = _batch(policy, pairs, n, max_tokens, seed, peaks)
     models = {"float32": policy.model}
