@@ -25,8 +25,9 @@ one small step per update and the timings compare like with like:
   with compensated rounding instead (`learner.master_rounding = "compensated"`). They
   train a bfloat16 copy of the model, made once before the first update.
 
-`--prompt-tokens P` makes every prompt P tokens long (filler text before the question: the
-long-prompt workload of docs/performance.md, e.g. `--prompt-tokens 512 --max-tokens 64`).
+`--prompt-tokens P` makes every prompt P tokens long (filler tokens before the question) and
+every response `--max-tokens` long (past the end-of-sequence token): the long-prompt
+workload of docs/performance.md, `--prompt-tokens 512 --max-tokens 64`.
 Each variant's FLOPs are counted once, in an update of its own after the timed ones
 (torch's FLOP counter, CPU attention included: `bench.common.count_flops`); they are
 deterministic, the times are not.
@@ -106,7 +107,8 @@ def long_prompts(pairs, prompt_tokens: int):
             for sample, ids in pairs]
 
 
-def _batch(policy, pairs, n: int, max_tokens: int, seed: int, peaks: dict):
+def _batch(policy, pairs, n: int, max_tokens: int, seed: int, peaks: dict,
+           ignore_eos: bool = False):
     from rollwise.engine import NativeEngine, SamplingParams
     from rollwise.learner.batch import collate
     from rollwise.rewards.verifiers import final_number
@@ -115,7 +117,7 @@ def _batch(policy, pairs, n: int, max_tokens: int, seed: int, peaks: dict):
     with _phase(peaks, "rollout"):
         engine = NativeEngine(policy.model, eos_token_ids=policy.stop_ids)
         outs = engine.generate([ids for _, ids in pairs], SamplingParams(
-            n=n, temperature=0.7, max_tokens=max_tokens, seed=seed))
+            n=n, temperature=0.7, max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos))
         del engine
     with _phase(peaks, "reward"):
         trajs = [Trajectory(sample=pairs[c.prompt_index][0],
@@ -156,7 +158,10 @@ def run(model: str = "smollm2-135m", *, prompts: int = 4, n: int = 8, max_tokens
     if prompt_tokens:
         pairs = long_prompts(pairs, prompt_tokens)
     peaks: dict[str, dict[str, float]] = {}
-    batch, reward = _batch(policy, pairs, n, max_tokens, seed, peaks)
+    # long prompts of filler: the model would stop at once; the workload's responses are
+    # max_tokens long
+    batch, reward = _batch(policy, pairs, n, max_tokens, seed, peaks,
+                           ignore_eos=bool(prompt_tokens))
     models = {"float32": policy.model}
     if any(KNOWN[v][5].startswith("bfloat16") for v in variants):
         import copy
