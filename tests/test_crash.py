@@ -53,7 +53,7 @@ def test_random_kills_of_one_rank_or_the_driver_of_a_sharded_learner(tmp_path):
     cfg.learner.shards, cfg.learner.shard_timeout_s = 2, 30.0
     report = rank_test(cfg, kills=12, seed=2, workdir=tmp_path / "ranks")
     assert report.ok, "\n".join(report.failures)
-    assert report.total >= 12 and report.rounds >= 2
+    assert report.total >= 12 and report.rounds >= 1 and report.resumes >= 12
     assert sum(n for (victim, _), n in report.kills.items() if victim == "rank") >= 3
     assert report.errors and max(s for s, _ in report.errors) <= 30.0
     assert report.orphans_s and max(report.orphans_s) < 30.0
