@@ -63,7 +63,8 @@ def _train(tiny_llama, batches, skip: bool, loss: str, aggregation: str, **kw):
     rows = _count_rows(model)
     learner = Learner(model, loss_fn=policy_losses[loss], lr=1e-3, micro_batch_tokens=24,
                       loss_options={"aggregation": aggregation, "max_tokens": 8},
-                      kl_fn=kl_estimators["k3"], logprob_chunk=4, skip_zero_advantage=skip, **kw)
+                      kl_fn=kl_estimators["k3"], logprob_chunk=4, skip_zero_advantage=skip,
+                      share_prompts=False, **kw)  # per row: the decoder sees each row
     metrics = [learner.update(b) for b in batches]
     return {n: p.detach().clone() for n, p in model.named_parameters()}, metrics, rows[0]
 

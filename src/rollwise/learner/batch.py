@@ -49,6 +49,14 @@ def micro_batches(batch: Batch, max_tokens: int) -> list[torch.Tensor]:
     return out
 
 
+def prefix_lengths(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[N] each row's prefix: the tokens before the position that predicts its first
+    response token (first trained column - 1); -1 for a row with no trained token."""
+    has = loss_mask.bool().any(-1)
+    first = loss_mask.bool().float().argmax(-1)
+    return torch.where(has, first - 1, torch.full_like(first, -1))
+
+
 def group_micro_batches(batch: Batch, max_tokens: int, split: bool = True
                         ) -> list[tuple[torch.Tensor, int | None, int]]:
     """Micro-batches when prompts are shared (learner/grouped.py): (row indices, the group
@@ -58,8 +66,6 @@ def group_micro_batches(batch: Batch, max_tokens: int, split: bool = True
     token runs nothing; a group of one row runs its row). A group over `max_tokens` on its
     own is cut into pieces of its rows, each within the budget with the prefix counted
     (`split`; else it runs whole, over the budget)."""
-    from rollwise.learner.grouped import prefix_lengths
-
     lengths = batch.attention_mask.sum(-1).tolist()
     k = prefix_lengths(batch.loss_mask).tolist()
     # a unit: the rows of one group with one prefix (rows a group_id joins under other

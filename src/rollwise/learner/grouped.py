@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from rollwise.engine.attention import GroupLayout, attend_regions, region_mask
+from rollwise.learner.batch import micro_batches, prefix_lengths
 
 GROUPED = "rollwise_grouped"  # the attention implementation's registered name
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
@@ -114,14 +115,6 @@ class GroupPlan:
     def run_tokens(self) -> int:
         """Tokens the projections and the MLP process: each prefix once, then the suffixes."""
         return int(self.tokens.shape[0])
-
-
-def prefix_lengths(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[N] each row's prefix: the tokens before the position that predicts its first
-    response token (first trained column - 1); -1 for a row with no trained token."""
-    has = loss_mask.bool().any(-1)
-    first = loss_mask.bool().float().argmax(-1)
-    return torch.where(has, first - 1, torch.full_like(first, -1))
 
 
 def plan_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -348,8 +341,6 @@ def batch_saving(cfg, batch, micro_batch_tokens: int = 4096) -> float:
     (the FLOP model, each side as it runs): per row, every micro-batch (`micro_batches`)
     pads its rows to its longest; grouped, each group's prefix once, then the suffixes,
     without padding (groups by `batch.group_ids`; rows with no trained token left out)."""
-    from rollwise.learner.batch import micro_batches
-
     lengths = batch.attention_mask.sum(-1).tolist()
     k = prefix_lengths(batch.loss_mask).tolist()
     groups: dict[int, list[int]] = {}

@@ -83,10 +83,9 @@ class Learner:
                  optimizer: str = "adamw", master_dtype: str = "float32", seed: int = 0,
                  release_memory: bool = False, master_rounding: str = "stochastic",
                  peers: shards.Peers | None = None):
-        """`share_prompts`: each group's prompt runs once (the grouped layer pass,
-        learner/grouped.py: the same log-probs and gradients), micro-batches holding whole
-        groups; "auto" where the FLOP model says it saves `grouped.AUTO_SAVING`.
-        `activation_checkpointing` and `memory_budget_mb` (0: none): the module docstring.
+        """`share_prompts`: each group's prompt runs once (learner/grouped.py; "auto": where
+        that saves `grouped.AUTO_SAVING`). `activation_checkpointing`, `memory_budget_mb`
+        (0: none): the module docstring.
         `optimizer`: a name of learner/optim.py (AdamW, or AdamW with 8-bit, 4-bit, float8
         or bfloat16 moments).
         `master_dtype` "bfloat16": the model is converted in place (a no-op when loaded so),
@@ -101,10 +100,9 @@ class Learner:
         stochastic, compensated = master_dtype == "bfloat16", master_rounding == "compensated"
         if stochastic:
             bfloat16_master(model, keep_stream=precision == "bf16-autocast", residuals=compensated)
-        self.model, self.peers = model, peers
+        self.model, self.peers, self.share_prompts = model, peers, share_prompts
         if activation_checkpointing:
             enable_checkpointing(model)
-        self.share_prompts = share_prompts
         self._scorers(model, precision, kl_coef)
         self.loss_fn, self.loss_options = loss_fn, dict(loss_options)
         self.params = [p for p in model.parameters() if p.requires_grad]
