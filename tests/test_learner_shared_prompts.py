@@ -118,16 +118,18 @@ def test_grouped_pass_equals_per_row_float64(tiny_llama, exact_norms, shape) -> 
     assert worst(b_g, a_g) <= 1e-9
 
 
-@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("autocast", [False, True, "bf16-weights"])
 def test_grouped_pass_equals_per_row_float32_and_bf16(autocast) -> None:
     """SmolLM2's layer shape, 2 layers: within L * sqrt(n) * u relative (module docstring),
-    n = 1536, u = 2^-24 in float32, 2^-8 under bfloat16 autocast; and well apart from a
-    wrong pass (the prompt not seen: the grouped pass with no prefix)."""
+    n = 1536, u = 2^-24 in float32, 2^-8 under bfloat16 autocast and with bfloat16 weights
+    (the bfloat16 master's model)."""
     model = smollm2_shape()
+    if autocast == "bf16-weights":
+        model = model.to(torch.bfloat16)
     ids, att, mask, _ = mixed(model.config.vocab_size)
     u = 2.0**-8 if autocast else 2.0**-24
     bound = 4 * 2 * math.sqrt(1536) * u
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is True):
         a_logp, _, a_g = grads(model, ids, att, mask, share=False)
         b_logp, _, b_g = grads(model, ids, att, mask, share=True)
     scale = float(a_logp.abs().max())
