@@ -280,15 +280,14 @@ def _left(root: Path, num_steps: int) -> float:
     return 1 - max(steps, default=0) / num_steps
 
 
-class _Harness:
-    """The rounds of `pair_test` and what they found (`report`)."""
+class Rounds:
+    """The rounds every forked-trainer harness runs (this one, tests/crashranks.py): the
+    reference run, then run directories killed and resumed until a trainer finishes each,
+    and what a finished one must equal. A subclass's `_life` runs one trainer and perhaps
+    one kill; `report` has reference_seconds, resumes, kept and failures."""
 
-    def __init__(self, cfg: Config, server: Server, rng: random.Random, kills: int,
-                 shares: tuple[float, float, float]):
-        self.cfg, self.server, self.rng, self.kills = cfg, server, rng, kills
-        self.sync_share, self.generate_share, self.soft_share = shares
-        self.timeout_s = cfg.engine.remote_timeout_s
-        self.report = PairReport()
+    def __init__(self, cfg: Config, rng: random.Random, kills: int, report):
+        self.cfg, self.rng, self.kills, self.report = cfg, rng, kills, report
         self.kept: dict[int, list[tuple]] = {}  # this round's (crashtest.kept_batches)
 
     def _config(self, name: str) -> Config:
@@ -309,21 +308,21 @@ class _Harness:
             raise RuntimeError(f"the reference run failed: {self._error(root)}")
         return read_run(root)
 
-    def check(self, root: Path, reference: tuple) -> list[str]:
+    def check(self, root: Path, reference: tuple, rel: float = 0.0) -> list[str]:
         """What is wrong with the finished run `root` ([] if nothing): as the reference
-        (crashtest.compare; an asynchronous run's version mix depends on timing, so there
-        only what timing cannot change), and within the staleness bound."""
+        (crashtest.compare, metrics to `rel`; an asynchronous run's version mix depends on
+        timing, so there only what timing cannot change), and within the staleness bound."""
         if not (root / "summary.json").is_file():
             return [f"{root.name}: the run did not finish"]
         exact = timing_free(self.cfg)
-        out = compare(root, reference, rel=REL, exact=exact) + check_kept(root, self.kept)
+        out = compare(root, reference, rel=rel, exact=exact) + check_kept(root, self.kept)
         self.report.kept += len(self.kept)
         if exact:
             return out
         return out + async_checks(root, self.cfg.schedule.max_staleness)
 
     def round(self, root: Path) -> None:
-        """Kill and resume (and restart the server) until a trainer finishes `root`."""
+        """Kill and resume until a trainer finishes `root`."""
         cfg = self._config(root.name)
         self.kept = {}
         for life in range(4 * self.kills + 10):  # every life but the last is killed
@@ -334,12 +333,37 @@ class _Harness:
                 return
         self.report.failures.append(f"{root.name}: never finished")
 
+    def _life(self, cfg: Config, root: Path) -> int | None:
+        raise NotImplementedError
+
     def _error(self, root: Path) -> str:
         """The last trainer's error message (its file removed: the next one writes anew)."""
         path = root.parent / f"{root.name}.error"
         text = path.read_text() if path.is_file() else "(no message)"
         path.unlink(missing_ok=True)
         return text
+
+    def _ended(self, root: Path, code: int) -> int | None:
+        """A trainer's exit code; None, recorded as a failure, when it failed (code 1)."""
+        if code == 1:
+            self.report.failures.append(f"{root.name}: a trainer failed: "
+                                        f"{self._error(root)[:300]}")
+            return None
+        return code
+
+
+class _Harness(Rounds):
+    """The rounds of `pair_test` and what they found (`report`)."""
+
+    def __init__(self, cfg: Config, server: Server, rng: random.Random, kills: int,
+                 shares: tuple[float, float, float]):
+        super().__init__(cfg, rng, kills, PairReport())
+        self.server = server
+        self.sync_share, self.generate_share, self.soft_share = shares
+        self.timeout_s = cfg.engine.remote_timeout_s
+
+    def check(self, root: Path, reference: tuple, rel: float = REL) -> list[str]:
+        return super().check(root, reference, rel)
 
     def _life(self, cfg: Config, root: Path) -> int | None:
         """One trainer on `root` and perhaps one kill; the trainer's exit code, or None
@@ -387,13 +411,6 @@ class _Harness:
                 return None
             time.sleep(0.01 if target != "any" else min(0.05, max(deadline - time.monotonic(), 0)))
         return None
-
-    def _ended(self, root: Path, code: int) -> int | None:
-        if code == 1:
-            self.report.failures.append(f"{root.name}: a trainer failed: "
-                                        f"{self._error(root)[:300]}")
-            return None
-        return code
 
     def _server_killed(self, pid: int, root: Path, sig: signal.Signals) -> int | None:
         """After `sig` to the server: the trainer must finish, or stop within the time-out

@@ -28,7 +28,8 @@ and for each finished round, as every harness does (crashtest.compare, check_kep
 step's metrics equal to the uninterrupted reference's, every completed trajectory stored
 exactly once, summary counters adding up.
 
-Imports the crash harness's comparison and the pair harness's forked trainer.
+Imports the pair harness's rounds (`crashpair.Rounds`: the reference, the rounds, the
+comparison) and its forked trainer.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from crashpair import _left, _trainer
-from crashtest import check_kept, compare, kept_batches, read_run, wait_exit
+from crashpair import Rounds, _left, _trainer
+from crashtest import wait_exit
 from rollwise.compose.config import Config
 
 VICTIMS = ("rank", "driver")
@@ -143,56 +144,14 @@ def rank_test(cfg: Config, kills: int, seed: int, workdir: Path, rank_share: flo
     return harness.report
 
 
-class _Harness:
+class _Harness(Rounds):
     """The rounds of `rank_test` and what they found (`report`)."""
 
     def __init__(self, cfg: Config, rng: random.Random, kills: int, rank_share: float,
                  sigint_share: float):
-        self.cfg, self.rng, self.kills = cfg, rng, kills
+        super().__init__(cfg, rng, kills, RankReport())
         self.rank_share, self.sigint_share = rank_share, sigint_share
         self.world, self.timeout_s = cfg.learner.shards, cfg.learner.shard_timeout_s
-        self.report = RankReport()
-        self.kept: dict[int, list[tuple]] = {}
-
-    def _config(self, name: str) -> Config:
-        cfg = self.cfg.model_copy(deep=True)
-        cfg.run.name = name
-        return cfg
-
-    def reference(self, root: Path) -> tuple[list[dict], list[tuple], dict]:
-        start = time.monotonic()
-        pid = _trainer(self._config(root.name), root)
-        last = root / "checkpoints" / f"step_{self.cfg.run.num_steps}"
-        while not os.waitpid(pid, os.WNOHANG)[0]:
-            if not self.report.reference_seconds and last.exists():
-                self.report.reference_seconds = time.monotonic() - start
-            time.sleep(0.02)
-        if (root.parent / f"{root.name}.error").exists():
-            raise RuntimeError(f"the reference run failed: {self._error(root)}")
-        return read_run(root)
-
-    def check(self, root: Path, reference: tuple) -> list[str]:
-        if not (root / "summary.json").is_file():
-            return [f"{root.name}: the run did not finish"]
-        self.report.kept += len(self.kept)
-        return compare(root, reference) + check_kept(root, self.kept)
-
-    def round(self, root: Path) -> None:
-        cfg = self._config(root.name)
-        self.kept = {}
-        for life in range(4 * self.kills + 10):
-            self.report.resumes += life > 0
-            self.kept.update(kept_batches(root))
-            code = self._life(cfg, root)
-            if code is None or code == 0:
-                return
-        self.report.failures.append(f"{root.name}: never finished")
-
-    def _error(self, root: Path) -> str:
-        path = root.parent / f"{root.name}.error"
-        text = path.read_text() if path.is_file() else "(no message)"
-        path.unlink(missing_ok=True)
-        return text
 
     def _life(self, cfg: Config, root: Path) -> int | None:
         """One trainer on `root` and perhaps one kill; its exit code, or None after a
@@ -249,13 +208,6 @@ class _Harness:
                 return
             time.sleep(0.02)
         self.report.orphans_s.append(time.monotonic() - start)
-
-    def _ended(self, root: Path, code: int) -> int | None:
-        if code == 1:
-            self.report.failures.append(f"{root.name}: a trainer failed: "
-                                        f"{self._error(root)[:300]}")
-            return None
-        return code
 
     def _rank_killed(self, pid: int, root: Path, rank: int, ranks: list[int]) -> int | None:
         """SIGKILL to rank `rank`: the trainer must finish, or stop within the time-out

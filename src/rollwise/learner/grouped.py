@@ -278,18 +278,20 @@ def install(model) -> bool:
 
     AttentionInterface.register(GROUPED, grouped_attention)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for m in base.modules():  # the original is kept on the modules, not in the config
-        cfg = getattr(m, "config", None)  # (which checkpoints and exports write out)
-        if cfg is None:
-            continue
+    owners: dict[int, tuple] = {}  # config -> the modules holding it
+    for m in base.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None:
+            owners.setdefault(id(cfg), (cfg, []))[1].append(m)
+    for cfg, modules in owners.values():
         current = getattr(cfg, "_attn_implementation", None) or "sdpa"
-        if current != GROUPED:
-            for owner in base.modules():
-                if getattr(owner, "config", None) is cfg:
-                    setattr(owner, _ORIGINAL, current)
-            AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS[
-                current if current in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"])
-            cfg._attn_implementation = GROUPED
+        if current == GROUPED:
+            continue
+        for m in modules:  # kept on the modules, not in the config (which exports write out)
+            setattr(m, _ORIGINAL, current)
+        AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS[
+            current if current in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"])
+        cfg._attn_implementation = GROUPED
     return True
 
 
