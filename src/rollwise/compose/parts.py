@@ -27,6 +27,7 @@ from rollwise.models import Policy, load_policy
 from rollwise.rewards import RewardSpec, get_verifier
 from rollwise.rewards.group import GroupTerm, get_group_reward, is_group_term
 from rollwise.rollout import RolloutScheduler, RolloutStage, strategy
+from rollwise.rollout.dialects import Expect
 from rollwise.rollout.episodes import EpisodeRunner, keep_env_rewards
 from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import Servers
@@ -149,6 +150,13 @@ def trained_dtype(cfg: Config) -> str:
     return "float32" if cfg.model.lora_rank > 0 else cfg.learner.master_dtype
 
 
+# Text every remote server must tokenize as the run does, and whose log-probs each server
+# must give as the trainer does after every weight load (rollout/remote.py): digits,
+# arithmetic and words, spelled only with characters the tiny model's vocabulary holds.
+PROBE_TEXT = ("Question: what is 17 + 25? Answer: 17 + 25 = 42, so the answer is 42. "
+              "The quick brown fox jumps over the lazy dog.")
+
+
 def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer: Callable,
                  task: Task, learner=None) -> tuple[RemoteRollout, FileTrainer]:
     """The rollout port over the servers of engine.remote_urls and the learner in this
@@ -161,11 +169,21 @@ def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer
                           "engine in this process; engine.name='remote' runs single-turn tasks")
     e = cfg.engine
     servers = Servers(e.remote_urls, timeout_s=e.remote_timeout_s, retries=e.remote_retries)
+    probe = policy.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     rollout = RemoteRollout(servers, build_sampling(cfg), policy.decode, scorer,
                             seed=cfg.run.seed, sync=e.remote_sync, concurrency=e.batch_size,
-                            kind=e.remote_kind)
+                            kind=e.remote_kind, probe=probe)
+    try:
+        rollout.check_servers(Expect(len(policy.tokenizer), PROBE_TEXT, probe,
+                                     min(cfg.rollout.max_prompt_tokens + cfg.rollout.max_tokens,
+                                         policy.max_context)))
+    except BaseException:
+        rollout.close()
+        raise
     learner = learner if learner is not None else build_learner(cfg, policy, precision)
-    trainer = FileTrainer(learner, policy.model, e.remote_weights_dir)
+    # vLLM serves an untied output layer (serve/vllm.py): every publication writes it
+    trainer = FileTrainer(learner, policy.model, e.remote_weights_dir,
+                          untied=e.remote_kind == "vllm", probe=rollout.probe)
     try:
         # the servers' precisions before the first publication, so that it is written once
         # in each (not in float32 first, then again)

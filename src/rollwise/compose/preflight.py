@@ -297,12 +297,12 @@ def _check_remote(cfg: Config) -> None:
     if cfg.run.backend != "local":
         raise ConfigError(f"engine.name = 'remote' runs with run.backend = 'local' (the "
                           f"servers are the rollout workers), not {cfg.run.backend!r}")
-    if e.remote_kind != "rollwise" and cfg.model.lora_rank > 0:
+    if e.remote_kind == "sglang" and cfg.model.lora_rank > 0:
         raise ConfigError(f"model.lora_rank = {cfg.model.lora_rank} with engine.remote_kind = "
-                          f"{e.remote_kind!r}: the weights published after the first are the "
-                          "adapter alone, which only `rollwise serve` merges "
-                          "(engine.remote_kind = 'rollwise'); train full weights for "
-                          f"{e.remote_kind}")
+                          "'sglang': the weights published after the first are the adapter "
+                          "alone, which `rollwise serve` merges and vLLM loads as an adapter "
+                          "(engine.remote_kind = 'rollwise' or 'vllm'); train full weights "
+                          "for sglang")
     needs = request_engine_settings(cfg)
     if needs:
         raise ConfigError(f"{', '.join(needs)} needs the request engine in this process; "

@@ -64,9 +64,10 @@ class FileTrainer:
     """`learner` (training `model` in place) whose publications are folders under a new
     temporary folder inside `root` (the system's temporary folder when empty)."""
 
-    def __init__(self, learner: Learner, model, root: str = ""):
+    def __init__(self, learner: Learner, model, root: str = "", *, untied: bool = False,
+                 probe: list[int] | None = None):
         self.learner = learner
-        self.weights = WeightsPublisher(model, root)
+        self.weights = WeightsPublisher(model, root, untied=untied, probe=probe)
         self._synced = -1
 
     @property
@@ -111,10 +112,15 @@ class FileTrainer:
 class WeightsPublisher:
     """`model`'s weights as a folder per version under a new temporary folder inside
     `root`, written in each dtype the servers asked for at the previous version (float32
-    before any asked); `seconds` holds the last write's phases (gather, convert, write)."""
+    before any asked); `seconds` holds the last write's phases (gather, convert, write).
+    `untied`: a tied output layer written under its own name too (vLLM's reload keeps a
+    tied model's start-up head, so it serves an untied copy: serve/vllm.py). `probe`: token
+    ids whose log-probs under each version (`Publication.probe`) the servers' are checked
+    against (rollout/remote.py)."""
 
-    def __init__(self, model, root: str = ""):
-        self.model = model
+    def __init__(self, model, root: str = "", *, untied: bool = False,
+                 probe: list[int] | None = None):
+        self.model, self.untied, self.probe = model, untied, probe
         if root:
             Path(root).mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="rollwise-weights-", dir=root or None))
@@ -139,6 +145,8 @@ class WeightsPublisher:
         if self.asked:
             self.dtypes, self.asked = sorted(self.asked), set()
         self._current = Publication(self, version, first=self._current is None)
+        if self.probe:
+            self._current.probe = probe_logprobs(self.model, self.probe)
         nbytes = sum(self._current.write(d) for d in self.dtypes)
         self.version = version
         return Published(version, self._current, nbytes)
@@ -174,6 +182,7 @@ class Publication:
         self.publisher, self.version, self.first = publisher, version, first
         self.folders: dict[str, Path] = {}
         self.nbytes: dict[str, int] = {}
+        self.probe: list[float] | None = None  # the probe's log-probs under this version
 
     def write(self, dtype: str) -> int:
         """The folder for `dtype` written (once); its bytes of tensor data."""
@@ -182,7 +191,8 @@ class Publication:
             folder = self.publisher.root / (f"v{self.version}" if not self.folders
                                             else f"v{self.version}-{dtype}")
             self.nbytes[dtype] = write_weights(self.publisher.model, folder, full=self.first,
-                                               dtype=dtype, times=self.publisher.seconds)
+                                               dtype=dtype, times=self.publisher.seconds,
+                                               untied=self.publisher.untied)
             self.folders[dtype] = folder
         return self.nbytes[dtype]
 
@@ -212,11 +222,12 @@ class Publication:
 
 
 def write_weights(model, folder: Path, full: bool = False, dtype: str = "float32",
-                  times: dict[str, float] | None = None) -> int:
+                  times: dict[str, float] | None = None, untied: bool = False) -> int:
     """`model`'s weights into `folder` (created): a peft model's adapter and its
     configuration (unless `full`: its base model's weights), else the full state_dict,
     floating-point tensors in `dtype`; the bytes of tensor data written. `times` gets the
-    seconds spent gathering the tensors, converting and writing them."""
+    seconds spent gathering the tensors, converting and writing them. `untied`: a tensor
+    shared by two names (a tied output layer) written under both."""
     start = time.perf_counter()
     folder.mkdir(parents=True)
     lora = hasattr(model, "peft_config")
@@ -229,9 +240,9 @@ def write_weights(model, folder: Path, full: bool = False, dtype: str = "float32
     elif lora:
         tensors, file = _plain({name.replace(".base_layer.", "."): t for name, t in
                                 model.get_base_model().state_dict().items()
-                                if ".lora_" not in name}), FULL_FILE
+                                if ".lora_" not in name}, untied), FULL_FILE
     else:
-        tensors, file = _plain(model.state_dict()), FULL_FILE
+        tensors, file = _plain(model.state_dict(), untied), FULL_FILE
     times = {} if times is None else times
     _add(times, gather_s=time.perf_counter() - start)
     return save_tensors(folder / file, tensors, DTYPES[dtype], times)
@@ -275,6 +286,21 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtyp
     return offset
 
 
+@torch.no_grad()
+def probe_logprobs(model, ids: list[int]) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1 under `model` as it is (float32 log-softmax, no
+    dropout): what a server's prompt log-probs of `ids` must match."""
+    training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    finally:
+        model.train(training)
+    logp = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])
+    return [float(x) for x in logp[:, 0].cpu()]
+
+
 def _add(times: dict[str, float], **seconds: float) -> None:
     """Seconds added to `times` (a version written in two dtypes counts both)."""
     for k, v in seconds.items():
@@ -286,14 +312,14 @@ def _as_is(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
 
 
-def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _plain(state: dict[str, torch.Tensor], untied: bool = False) -> dict[str, torch.Tensor]:
     """Detached tensors, each storage once (a tied output layer is the embedding's: the
-    first name keeps it, as Hugging Face checkpoints do)."""
+    first name keeps it, as Hugging Face checkpoints do) unless `untied` (each name)."""
     seen: set[tuple] = set()
     out = {}
     for name, t in state.items():
         key = (t.data_ptr(), tuple(t.shape))
-        if key in seen:
+        if key in seen and not untied:
             continue
         seen.add(key)
         out[name] = t.detach()

@@ -23,8 +23,10 @@ Imports the records, the engine's sampling settings and rollout/servers.py.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rollwise.engine.base import SamplingParams
@@ -32,6 +34,7 @@ from rollwise.rollout.servers import RemoteError, Servers
 from rollwise.types import Completion
 
 KINDS = ("rollwise", "vllm", "sglang")
+ADAPTER = "rollwise-lora"  # the name a LoRA adapter is loaded and requested under (vLLM)
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -66,6 +69,58 @@ class Answer:
     version: int | None = None  # the version the server reports, if it reports one
 
 
+@dataclass
+class Expect:
+    """What a server must serve for a run: the model's vocabulary size, `text` tokenized as
+    `ids` (no special tokens), and room for `length` tokens (longest prompt + max_tokens)."""
+
+    vocab: int
+    text: str
+    ids: list[int]
+    length: int
+
+
+# a route only each kind of server answers (GET), to name what a URL serves
+IDENTITY = (("rollwise", "/v1/weights"), ("vllm", "/weight_info"), ("sglang", "/get_model_info"))
+
+
+def identify(servers: Servers, index: int) -> str | None:
+    """The kind of server `index` is (by IDENTITY; None: none of them); a RemoteError
+    when it cannot be reached at all."""
+    url = servers.urls[index]
+    try:
+        servers.get(index, "/health", parse=False)
+    except RemoteError as e:
+        if "answered" not in str(e):  # no HTTP answer at all
+            raise RemoteError(f"{url} cannot be reached ({str(e).split(': ', 1)[-1]}); start "
+                              "the server first (docs/remote.md)") from None
+    for kind, route in IDENTITY:
+        try:
+            servers.get(index, route)
+            return kind
+        except (RemoteError, ValueError):
+            continue
+    return None
+
+
+def check_kind(servers: Servers, index: int, kind: str) -> None:
+    """Server `index` is a server of `kind`, or a one-line error naming what it is."""
+    found = identify(servers, index)
+    if found == kind:
+        return
+    hint = ""
+    if kind == "vllm" and found is None:
+        try:
+            if isinstance(servers.get(index, "/version").get("version"), str):
+                hint = ("; it looks like vLLM without its development routes: start it with "
+                        "VLLM_SERVER_DEV_MODE=1 (`rollwise serve-vllm` does)")
+        except (RemoteError, ValueError, AttributeError):
+            pass
+    what = f"a {found} server" if found else "no server rollwise knows"
+    raise RemoteError(f"engine.remote_kind = {kind!r}, but {servers.urls[index]} is {what}"
+                      f"{hint}")
+
+
 def make_dialect(kind: str):
     """The dialect named `kind` (one of KINDS)."""
     dialects = {"rollwise": RollwiseDialect, "vllm": VLLMDialect, "sglang": SGLangDialect}
@@ -89,24 +144,29 @@ def _joined(ask: Ask, k: int, ids: list[int], logprobs: list[float], finish: str
 
 
 def _steps(servers: Servers, index: int, version: int,
-           steps: list[tuple[str, str, dict[str, Any]]], finally_step: tuple | None = None):
+           steps: list[tuple[str, str, dict[str, Any]]], finally_step: tuple | None = None,
+           answers: bool = False):
     """Run (phase, route, body) in order on server `index`, timing each; a failure names
-    the phase, after `finally_step` (the resume) was tried so the server is not left
-    paused. ({phase: seconds}, total seconds)."""
+    the server, the version and the phase, after `finally_step` (the resume) was tried so
+    the server is not left paused. ({phase: seconds}, total seconds), and with `answers`
+    {phase: answer}."""
     phases: dict[str, float] = {}
+    said: dict[str, Any] = {}
     start = time.perf_counter()
     for phase, route, body in steps:
         try:
-            _, phases[phase] = servers.post(route, body, first=index, spread=False,
-                                            parse=_succeeded)
+            said[phase], phases[phase] = servers.post(route, body, first=index, spread=False,
+                                                      parse=_succeeded)
         except RemoteError as e:
             if finally_step is not None and phase != finally_step[0]:
                 try:
                     servers.post(finally_step[1], finally_step[2], first=index, spread=False)
                 except RemoteError:
                     pass  # the first error is the one worth reporting
-            raise RemoteError(f"weight update to version {version} failed in phase "
-                              f"{phase}: {e}") from None
+            raise RemoteError(f"{servers.urls[index % len(servers.urls)]}: weight update to "
+                              f"version {version} failed in phase {phase}: {e}") from None
+    if answers:
+        return phases, time.perf_counter() - start, said
     return phases, time.perf_counter() - start
 
 
@@ -151,6 +211,9 @@ class RollwiseDialect:
                for c in choices]
         return out, version, answer.get("timings")
 
+    def check_server(self, servers: Servers, index: int, expect: Expect) -> None:
+        check_kind(servers, index, self.name)
+
     @staticmethod
     def weights_dtype(servers: Servers, index: int) -> str | None:
         """The precision server `index` samples in (GET /v1/weights; float32 when it does
@@ -169,18 +232,43 @@ class RollwiseDialect:
 
 
 class VLLMDialect:
-    """vLLM's OpenAI server. A group is one /v1/completions request with `n` and the
-    group's first seed (vLLM seeds sample k with seed + k); samples an update aborted go
-    back as one request with a prompt per sample (its prompt and tokens so far), each
-    continuation cut at that sample's own remaining budget."""
+    """vLLM's OpenAI server, as `rollwise serve-vllm` starts it (serve/vllm.py). A group is
+    one /v1/completions request with `n` and the group's first seed (vLLM seeds sample k
+    with seed + k); samples an update aborted go back as one request with a prompt per
+    sample (its prompt and tokens so far), each continuation cut at that sample's own
+    remaining budget. Every request carries the version's `cache_salt`, so no request
+    reuses a prefix cached under other weights, even where the cache reset failed.
+
+    A load: /pause, then vLLM's own `reload_weights` of the folder through
+    /collective_rpc (full weights: `VLLMFolderWeights` checks the file first) or
+    /v1/load_lora_adapter in place (a LoRA adapter, requested under `ADAPTER` from then
+    on), /reset_prefix_cache (its answer kept), /update_weight_version (the tag
+    `rollwise-v<version>`, read back from /weight_info before and after each step:
+    `check_version`), /resume."""
 
     name = "vllm"
-    method = "rollwise_load_folder"  # VLLMFolderWeights' method, called by /collective_rpc
+    method = "rollwise_reload"  # VLLMFolderWeights' method, called by /collective_rpc
+    cache_guard = True  # reset the prefix cache at each load and salt requests by version
+
+    def __init__(self):
+        self.model: str | None = None  # the LoRA adapter's name, once one is loaded
+        self.cache_resets_failed = 0  # loads whose prefix-cache reset answered success false
+
+    @staticmethod
+    def tag(version: int) -> str:
+        return f"rollwise-v{version}"
 
     @staticmethod
     def weights_dtype(servers: Servers, index: int) -> str:
-        """float32: the server's precision is not asked; its loader converts what it reads."""
-        return "float32"
+        """The dtype the server runs in (its /server_info, development mode): the
+        folder it loads is written in it, so its loader converts nothing; float32 when it
+        does not say."""
+        try:
+            config = str(servers.get(index, "/server_info").get("vllm_config", ""))
+        except (RemoteError, ValueError, AttributeError):
+            return "float32"
+        found = re.search(r"\bdtype=torch\.(\w+)", config)
+        return found.group(1) if found else "float32"
 
     def generate(self, servers: Servers, ask: Ask) -> Answer:
         s = ask.sampling
@@ -193,6 +281,10 @@ class VLLMDialect:
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
             "logprobs": 0, "return_tokens_as_token_ids": True,
             "request_id": f"rollwise-{ask.uid}-{sum(map(len, map(ask.done, range(n))))}"}
+        if self.model:
+            body["model"] = self.model
+        if self.cache_guard:
+            body["cache_salt"] = self.tag(ask.version)
         if s.stop_token_ids:
             body["stop_token_ids"] = list(s.stop_token_ids)
         if s.ignore_eos:
@@ -225,12 +317,87 @@ class VLLMDialect:
         # 'keep' freezes requests in flight (they continue with the new weights), 'abort'
         # returns them with their tokens so far (RemoteRollout sends them again)
         mode = "keep" if sync == "pause" else "abort"
-        steps = [("pause", f"/pause?mode={mode}", {}),
-                 ("load", "/collective_rpc", {"method": self.method, "args": [folder],
-                                              "timeout": servers.timeout_s}),
-                 ("cache", "/reset_prefix_cache", {}),
-                 ("resume", "/resume", {})]
-        return _steps(servers, index, version, steps, finally_step=steps[-1])
+        adapter = (Path(folder) / "adapter_config.json").is_file()
+        load = (("load", "/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": folder,
+                                                   "load_inplace": True}) if adapter else
+                ("load", "/collective_rpc", {"method": self.method, "args": [folder],
+                                             "timeout": servers.timeout_s}))
+        steps = [("pause", f"/pause?mode={mode}", {}), load]
+        if self.cache_guard:
+            steps.append(("cache", "/reset_prefix_cache", {}))
+        steps += [("tag", "/update_weight_version", {"new_version": self.tag(version)}),
+                  ("resume", "/resume", {})]
+        phases, seconds, answers = _steps(servers, index, version, steps,
+                                          finally_step=steps[-1], answers=True)
+        if self.cache_guard and answers.get("cache", {}).get("success") is False:
+            self.cache_resets_failed += 1  # requests held by 'keep': the salt still guards
+        if adapter:
+            self.model = ADAPTER
+        return phases, seconds
+
+    def check_server(self, servers: Servers, index: int, expect: Expect) -> None:
+        """Server `index` is vLLM with its development routes, serving the run's model:
+        the same tokens for `expect.text`, the same vocabulary (its last id accepted, the
+        next refused), room for prompt + max_tokens. A one-line error otherwise."""
+        check_kind(servers, index, self.name)
+        url = servers.urls[index]
+        said, _ = servers.post("/tokenize", {"prompt": expect.text, "add_special_tokens": False},
+                               first=index, spread=False)
+        if list(said.get("tokens", [])) != list(expect.ids):
+            raise RemoteError(f"{url} serves another model: it tokenizes {expect.text!r} as "
+                              f"{said.get('tokens')}, the run's tokenizer as {expect.ids}")
+        room = int(said.get("max_model_len") or 0)
+        if room < expect.length:
+            raise RemoteError(f"{url} serves at most {room} tokens per sequence; the run needs "
+                              f"{expect.length} (rollout.max_prompt_tokens + max_tokens): "
+                              "start it with a larger --max-model-len")
+        for token, fits in ((expect.vocab - 1, True), (expect.vocab, False)):
+            body = {"prompt": [token], "max_tokens": 1, "temperature": 0.0}
+            try:
+                servers.post("/v1/completions", body, first=index, spread=False)
+                accepted = True
+            except RemoteError as e:
+                if "answered 4" not in str(e):
+                    raise
+                accepted = False
+            if accepted != fits:
+                raise RemoteError(f"{url} serves another model: token id {token} is "
+                                  f"{'refused' if fits else 'accepted'}, the run's vocabulary "
+                                  f"has {expect.vocab} ids")
+
+    def check_version(self, servers: Servers, index: int, version: int) -> None:
+        """Server `index` holds version `version` or a later one (its tag, /weight_info): a
+        restarted server answers its start-up tag and stops the run."""
+        tag = servers.get(index, "/weight_info").get("weight_version")
+        held = _tagged(tag)
+        if held is None or held < version:
+            raise RemoteError(f"{servers.urls[index]} serves weight version {tag!r}, not "
+                              f"{self.tag(version)!r}: it restarted (or a load did not "
+                              "take) and samples from other weights; resume the run")
+
+    def prompt_logprobs(self, servers: Servers, index: int, ids: list[int],
+                        version: int) -> list[float]:
+        """Server `index`'s log p(ids[i] | ids[:i]), i >= 1 (greedy, one new token; salted
+        so no cached prefix answers)."""
+        body: dict[str, Any] = {"prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+                                "prompt_logprobs": 0, "cache_salt": f"probe-{self.tag(version)}"
+                                f"-{time.monotonic_ns()}"}
+        if self.model:
+            body["model"] = self.model
+
+        def read(answer):
+            rows = answer["choices"][0]["prompt_logprobs"][1:]
+            return [float(row[str(t)]["logprob"]) for row, t in zip(rows, ids[1:], strict=True)]
+
+        out, _ = servers.post("/v1/completions", body, first=index, spread=False, parse=read)
+        return out
+
+
+def _tagged(tag: Any) -> int | None:
+    """The version of a `rollwise-v<N>` tag (None: another tag)."""
+    if isinstance(tag, str) and tag.startswith("rollwise-v") and tag[10:].isdigit():
+        return int(tag[10:])
+    return None
 
 
 def _token_id(token: str) -> int:
@@ -248,7 +415,12 @@ class SGLangDialect:
     its remaining budget."""
 
     name = "sglang"
-    weights_dtype = staticmethod(VLLMDialect.weights_dtype)  # float32, as vLLM's
+    check_server = RollwiseDialect.check_server
+
+    @staticmethod
+    def weights_dtype(servers: Servers, index: int) -> str:
+        """float32: the server's precision is not asked; its loader converts what it reads."""
+        return "float32"
 
     def generate(self, servers: Servers, ask: Ask) -> Answer:
         s = ask.sampling
@@ -300,21 +472,57 @@ class SGLangDialect:
 
 
 class VLLMFolderWeights:
-    """A vLLM worker extension (`vllm serve ... --worker-extension-cls
-    rollwise.rollout.dialects.VLLMFolderWeights`): `/collective_rpc` calls its method on
-    every worker, which loads `<folder>/model.safetensors` (the weights named as the
-    model's Hugging Face state dict, as learner/files.py writes them) into the model."""
+    """A vLLM worker extension (`--worker-extension-cls rollwise.rollout.dialects.
+    VLLMFolderWeights`, which `rollwise serve-vllm` passes): `/collective_rpc` calls
+    `rollwise_reload(folder)` on every worker, which checks `<folder>/model.safetensors`
+    against the checkpoint the server started from (every tensor there, each of the same
+    shape, the file whole) and then has vLLM reload it with its own `reload_weights`
+    (which repacks the weights for the CPU kernels as the start-up load does). A file that
+    fails the check raises, naming the tensor, before any weight changes."""
 
-    def rollwise_load_folder(self, folder: str) -> int:
+    def rollwise_reload(self, folder: str) -> int:
         from pathlib import Path
-
-        from safetensors.torch import load_file
 
         path = Path(folder) / "model.safetensors"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no full-weights file (a LoRA adapter folder "
-                                    "is not loaded this way)")
-        weights = load_file(str(path), device="cpu")
-        # vLLM's models take (name, tensor) pairs by their checkpoint names and shard them
-        self.model_runner.model.load_weights(weights=iter(weights.items()))  # type: ignore[attr-defined]
-        return len(weights)
+            raise FileNotFoundError(f"{path}: no full-weights file")
+        expected = getattr(self, "_rollwise_expected", None)
+        if expected is None:  # the start-up checkpoint's tensors, read before any reload
+            start = Path(self.model_runner.vllm_config.model_config.model)  # type: ignore[attr-defined]
+            expected = {}
+            for file in sorted(start.glob("*.safetensors")):
+                expected |= {k: v["shape"] for k, v in safetensors_header(file).items()}
+            self._rollwise_expected = expected
+        got = safetensors_header(path)
+        for name, shape in expected.items():
+            if name not in got:
+                raise ValueError(f"{path}: tensor {name} is missing")
+            if got[name]["shape"] != shape:
+                raise ValueError(f"{path}: tensor {name} has shape {got[name]['shape']}, the "
+                                 f"served model's is {shape}")
+        self.model_runner.reload_weights(weights_path=folder)  # type: ignore[attr-defined]
+        return len(got)
+
+
+def safetensors_header(path) -> dict[str, dict]:
+    """The tensors a safetensors file lists ({name: {dtype, shape, data_offsets}}); an
+    error when the file is shorter than its header says (a truncated write)."""
+    import json
+    import os
+    import struct
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: truncated ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise ValueError(f"{path}: truncated (its header says {n} bytes, the file has "
+                             f"{size})")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"{path}: truncated ({size} bytes; its tensors need {8 + n + end})")
+    return header

@@ -30,7 +30,7 @@ from typing import Any
 from rollwise.engine.base import ENGINE_ROWS, SamplingParams
 from rollwise.engine.sampling import derive_seed
 from rollwise.rewards.pool import RewardStats
-from rollwise.rollout.dialects import Ask, make_dialect
+from rollwise.rollout.dialects import Ask, Expect, make_dialect
 from rollwise.rollout.figures import RolloutFigures
 from rollwise.rollout.scoring import ScoreAhead, Scorer
 from rollwise.rollout.servers import RemoteError, Servers
@@ -39,6 +39,12 @@ from rollwise.types import Completion, EncodedPrompt, Group, Published, Trajecto
 PLACEMENT = "remote servers"  # how publication errors name this placement
 TIMINGS = ("queue_s", "prefill_s", "decode_s")  # a server's per-request timings, if it gives them
 RESUMES = 8  # times one group is sent again after a weight update aborted it ('abort' mode)
+# The largest |log-prob difference| at one probe position between a server holding version v
+# and the trainer's float32 forward of v, by the server's precision: its products round at
+# the unit roundoff u (2^-24 float32, 2^-8 bfloat16, 2^-11 float16), and one log-prob sums
+# hundreds of such errors over ~30 layers and a 50k-way softmax, about 10^3-10^4 u; the
+# bounds sit a factor 10-100 above what docs/remote.md measured (SmolLM2, tiny).
+PROBE_BOUNDS = {"float32": 2e-3, "bfloat16": 0.5, "float16": 0.1}
 
 
 @dataclass
@@ -76,7 +82,7 @@ class RemoteRollout:
     def __init__(self, servers: Servers, sampling: SamplingParams,
                  decode: Callable[[list[int]], str], scorer: Scorer, *, seed: int,
                  sync: str = "pause", concurrency: int = ENGINE_ROWS, version: int = 0,
-                 kind: str = "rollwise"):
+                 kind: str = "rollwise", probe: list[int] | None = None):
         self.servers, self.sampling, self.decode = servers, sampling, decode
         self.seed, self.sync = seed, sync
         self.dialect = make_dialect(kind)
@@ -91,6 +97,11 @@ class RemoteRollout:
         self._load_s = 0.0  # the last weight update's round trip (the slowest server's)
         self._dtypes: list[str | None] = [None] * len(servers.urls)  # each server's, once known
         self._phases: dict[str, float] = {}  # and its phases, as the servers timed them
+        # the servers' log-probs of `probe` checked against the trainer's after each load
+        # (dialects that answer prompt log-probs: vLLM); the previous version's kept
+        self.probe = probe if hasattr(self.dialect, "prompt_logprobs") else None
+        self._probe_before: list[float] | None = None
+        self._checks: dict[str, float] = {}
 
     @property
     def version(self) -> int:
@@ -102,6 +113,7 @@ class RemoteRollout:
         with self._lock:
             first = self._uid
             self._uid += len(prompts)
+        self.check_versions()
         start = time.perf_counter()
         futures: dict[Future, int] = {
             self._pool.submit(self._group, p, n, first + i): i
@@ -125,6 +137,7 @@ class RemoteRollout:
                 self._calls.add(*seconds)
                 self._ahead.start(group)
         makespan = time.perf_counter() - start
+        self.check_versions()
         tokens = sum(len(t.response_ids) for g in groups for t in g.trajectories)
         self._figures.append(RolloutFigures.of_returned(groups, self.version, makespan,
                                                         done_times, generated_tokens=tokens))
@@ -176,12 +189,13 @@ class RemoteRollout:
         calls, self._calls = self._calls, _Calls()
         load, self._load_s = self._load_s, 0.0
         phases, self._phases = self._phases, {}
+        checks, self._checks = self._checks, {}
         out = sum(rounds, RolloutFigures()).metrics() if rounds else {}
         out.pop("rollout_forward_passes", None)
         # the round trip under its own name: publish_seconds holds it already (publish
         # waits for the servers), so weights_load_seconds would count it twice
-        return out | calls.metrics() | phases | {"remote_retries": self.servers.take_retries(),
-                                                 "remote_weights_update_seconds": load}
+        return out | calls.metrics() | phases | checks | {
+            "remote_retries": self.servers.take_retries(), "remote_weights_update_seconds": load}
 
     def stage(self, weights: Published) -> None:
         """The folder each server will load (`weights.handle`: the trainer's folders,
@@ -217,6 +231,57 @@ class RemoteRollout:
         with self._lock:
             self._load_s = max(self._load_s, max(seconds for _, seconds in answers))
             self._phases = phases
+        if self.probe:
+            self._verify(weights)
+
+    def check_servers(self, expect: Expect) -> None:
+        """Before the first step: every server reachable, of the kind configured, serving
+        the run's model (rollout/dialects.py `check_server`); a one-line error otherwise."""
+        for i in range(len(self.servers.urls)):
+            self.dialect.check_server(self.servers, i, expect)
+
+    def check_versions(self) -> None:
+        """Every server still holds the active version or a later one (dialects that tag
+        loads: vLLM); a restarted server stops the run, named."""
+        check = getattr(self.dialect, "check_version", None)
+        if check is not None:
+            for i in range(len(self.servers.urls)):
+                check(self.servers, i, self.version)
+
+    def _verify(self, weights: Published) -> None:
+        """Each server's log-probs of the probe against the trainer's for this version,
+        within the bound of the server's precision (PROBE_BOUNDS). Where the trainer's own
+        log-probs of this version and the previous differ by no more than twice the bound,
+        the check cannot tell them apart: the load is counted unverified. A server past
+        the bound stops the run, naming it, the version and the first position past it."""
+        want = getattr(weights.handle, "probe", None)
+        if want is None:
+            raise RemoteError("the trainer published no probe log-probs to check the "
+                              "servers' weights against")
+        before, self._probe_before = self._probe_before, want
+        gap = (max(abs(a - b) for a, b in zip(want, before, strict=True))
+               if before is not None else float("inf"))
+        worst, bound = 0.0, 0.0
+        for i, dtype in enumerate(self.weights_dtypes()):
+            b = PROBE_BOUNDS.get(dtype or "float32", PROBE_BOUNDS["bfloat16"])
+            bound = max(bound, b)
+            got = self.dialect.prompt_logprobs(self.servers, i, self.probe, weights.version)
+            errors = [abs(a - c) for a, c in zip(got, want, strict=True)]
+            past = next((p for p, e in enumerate(errors) if e > b), None)
+            if past is not None:
+                raise RemoteError(
+                    f"{self.servers.urls[i]}: weights version {weights.version} fail the check: "
+                    f"the probe's log-prob at position {past + 1} is {got[past]:.5f} on the "
+                    f"server and {want[past]:.5f} in the trainer (|difference| "
+                    f"{errors[past]:.3g} > {b:g}, the bound for {dtype or 'float32'})")
+            worst = max(worst, max(errors, default=0.0))
+        verified = gap > 2 * bound
+        with self._lock:
+            self._checks = {"remote_weights_verified": float(verified),
+                            "remote_weights_unverified": float(not verified),
+                            "remote_weights_probe_error": worst}
+            if before is not None:  # the first load has no version before it to tell from
+                self._checks["remote_weights_probe_gap"] = gap
 
     def publish(self, weights: Published) -> None:
         """Stage and activate at once (no step runs in between)."""

@@ -83,8 +83,9 @@ class Servers:
             raise RemoteError(f"{url}{route} answered {r.status_code}: {error_message(r)}")
         return f"answered {r.status_code}: {error_message(r)}"
 
-    def get(self, index: int, route: str) -> dict[str, Any]:
-        """GET `route` of server `index` (no retry: a probe)."""
+    def get(self, index: int, route: str, parse: bool = True) -> Any:
+        """GET `route` of server `index` (no retry: a probe): its JSON (`parse`), else
+        None once it answered below 400."""
         url = self.urls[index]
         try:
             r = self.client.get(url + route)
@@ -92,7 +93,7 @@ class Servers:
             raise RemoteError(f"{url}{route}: {type(e).__name__}: {e}") from None
         if r.status_code >= 400:
             raise RemoteError(f"{url}{route} answered {r.status_code}: {error_message(r)}")
-        return r.json()
+        return r.json() if parse else None
 
     def take_retries(self) -> int:
         with self._lock:
