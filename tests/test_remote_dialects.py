@@ -16,16 +16,18 @@ from types import SimpleNamespace
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rollwise.compose.config import ConfigError, load_config
 from rollwise.engine.base import SamplingParams
 from rollwise.learner.files import write_weights
 from rollwise.models import load_policy
+from rollwise.models.tiny import build_tokenizer
 from rollwise.pipeline.build import build
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
-from rollwise.rollout.dialects import Ask, VLLMFolderWeights, make_dialect
+from rollwise.rollout.dialects import Ask, VLLMFolderWeights, check_kind, make_dialect
 from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import RemoteError, Servers
 from rollwise.types import EncodedPrompt, Published, Sample
@@ -71,6 +73,17 @@ class Fake:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def do_GET(self):  # noqa: N802
+                path = urlsplit(self.path).path
+                status, answer = fake.routes.get("GET " + path, lambda b, q: (
+                    404, {"detail": "Not Found"}))({}, {})
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def log_message(self, *args):
                 pass
 
@@ -87,7 +100,7 @@ class Fake:
 
     def routes_called(self) -> list[str]:
         return [path + (f"?{q}" if q else "") for path, q, _ in self.calls
-                if path not in ("/v1/completions", "/generate")]
+                if path not in ("/v1/completions", "/generate", "/tokenize")]
 
     def close(self):
         self.httpd.shutdown()
@@ -110,9 +123,16 @@ def folder_loaded(path: str):
 
 
 def vllm_routes(fake: Fake, malformed: bool = False):
-    """vLLM's OpenAI server (completions with token ids) and its development-mode routes."""
+    """vLLM's OpenAI server (completions with token ids) and its development-mode routes:
+    the tag of the weights, /tokenize with the tiny tokenizer, token ids checked against
+    its vocabulary."""
+    tokenizer = build_tokenizer()
+    fake.tag = "rollwise-v0"
 
     def completions(body, query):
+        if "logprobs" not in body:  # a one-token request checking the vocabulary
+            ok_ids = all(0 <= t < len(tokenizer) for t in body["prompt"])
+            return ok({"choices": []}) if ok_ids else bad("token id out of vocabulary")
         if body.get("logprobs") != 0 or body.get("return_tokens_as_token_ids") is not True:
             return bad("expected logprobs: 0 and return_tokens_as_token_ids: true")
         prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
@@ -129,14 +149,25 @@ def vllm_routes(fake: Fake, malformed: bool = False):
         return ok({"id": "cmpl-1", "object": "text_completion", "choices": choices})
 
     def rpc(body, query):
-        if body.get("method") != "rollwise_load_folder" or len(body.get("args", [])) != 1:
+        if body.get("method") != "rollwise_reload" or len(body.get("args", [])) != 1:
             return bad(f"unexpected collective_rpc {body}")
         return folder_loaded(body["args"][0]) or ok({"results": [7]})
+
+    def tag(body, query):
+        fake.tag = body["new_version"]
+        return ok({"success": True, "new_version": fake.tag})
+
+    def tokenize(body, query):
+        ids = tokenizer.encode(body["prompt"], add_special_tokens=body["add_special_tokens"])
+        return ok({"count": len(ids), "max_model_len": 512, "tokens": ids})
 
     return {"/v1/completions": completions, "/collective_rpc": rpc,
             "/pause": lambda b, q: ok({"status": "paused"}),
             "/reset_prefix_cache": lambda b, q: (200, b""),
-            "/resume": lambda b, q: ok({"status": "resumed"})}
+            "/update_weight_version": tag, "/tokenize": tokenize,
+            "/resume": lambda b, q: ok({"status": "resumed"}),
+            "GET /health": lambda b, q: (200, {}),
+            "GET /weight_info": lambda b, q: ok({"weight_version": fake.tag})}
 
 
 def sglang_routes(fake: Fake, short: bool = False, load_fails: bool = False):
@@ -162,7 +193,9 @@ def sglang_routes(fake: Fake, short: bool = False, load_fails: bool = False):
         return folder_loaded(body["model_path"]) or ok()
 
     return {"/generate": generate, "/update_weights_from_disk": update,
-            "/pause_generation": lambda b, q: ok(), "/continue_generation": lambda b, q: ok()}
+            "/pause_generation": lambda b, q: ok(), "/continue_generation": lambda b, q: ok(),
+            "GET /health": lambda b, q: (200, {}),
+            "GET /get_model_info": lambda b, q: ok({"model_path": "fake"})}
 
 
 @pytest.fixture
@@ -185,7 +218,10 @@ def remote(tmp_path: Path, url: str, kind: str, *extra: str):
         f"run.output_dir='{tmp_path}'", "run.num_steps=2", "run.threads=1",
         "rollout.prompts_per_step=3", "rollout.group_size=4", "task.num_eval=4",
         "eval.every=0", "engine.name='remote'", f"engine.remote_urls=['{url}']",
-        f"engine.remote_kind='{kind}'", "engine.remote_timeout_s=30", *extra])
+        f"engine.remote_kind='{kind}'", "engine.remote_timeout_s=30",
+        # the fakes give no log-probs of the model: vLLM's weight check needs the real one
+        # (tests/test_vllm_server.py)
+        "engine.remote_verify=false", *extra])
 
 
 def port(url: str, kind: str, sync: str = "pause") -> RemoteRollout:
@@ -196,7 +232,8 @@ def port(url: str, kind: str, sync: str = "pause") -> RemoteRollout:
 
 PROMPT = EncodedPrompt(Sample("s", "", ""), [5, 6, 7])
 WEIGHT_ROUTES = {
-    "vllm": ["/pause?mode=keep", "/collective_rpc", "/reset_prefix_cache", "/resume"],
+    "vllm": ["/pause?mode=keep", "/collective_rpc", "/reset_prefix_cache",
+             "/update_weight_version", "/resume"],
     "sglang": ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]}
 
 
@@ -226,6 +263,11 @@ def test_a_training_run_against_the_fake_keeps_what_it_sent(tmp_path, fakes, kin
     assert [Path(f).name for f in folders] == ["v0", "v1", "v2"]
     if kind == "sglang":
         assert [b["weight_version"] for b in loads] == ["0", "1", "2"]
+    else:  # each load tagged, each request salted with the version it was sent under
+        assert fake.tag == "rollwise-v2"
+        salts = [b["cache_salt"] for p, _, b in fake.calls
+                 if p == "/v1/completions" and "logprobs" in b]
+        assert salts == ["rollwise-v0"] * 3 + ["rollwise-v1"] * 3
     trains = records(tmp_path / kind, "train")
     assert [r["remote_requests"] for r in trains] == [3, 3]
     assert all(r["remote_weights_load_seconds"] > 0 for r in trains)
@@ -314,23 +356,61 @@ def test_a_failed_load_names_the_phase_and_the_server_is_not_left_paused(tmp_pat
     assert fake.routes_called() == WEIGHT_ROUTES["sglang"]
 
 
-def test_the_vllm_worker_extension_loads_the_published_folder(tmp_path):
-    """What `/collective_rpc` calls on each vLLM worker: every tensor of model.safetensors
-    handed to the model's load_weights by name; a folder without one is an error."""
+def test_the_vllm_worker_extension_checks_the_file_before_vllm_reloads_it(tmp_path):
+    """What `/collective_rpc` calls on each vLLM worker: the published file checked against
+    the checkpoint the server started from (every tensor, its shape, the file whole), then
+    vLLM's own reload of the folder; a file that fails is named with the tensor or the
+    truncation, and nothing is reloaded."""
     model = load_policy("tiny").model
-    write_weights(model, tmp_path / "v1")
-    given: list[str] = []
+    write_weights(model, tmp_path / "start", full=True, untied=True)
+    write_weights(model, tmp_path / "v1", full=True, untied=True)
+    reloaded: list[str] = []
     worker = VLLMFolderWeights()
-    worker.model_runner = SimpleNamespace(model=SimpleNamespace(  # type: ignore[attr-defined]
-        load_weights=lambda weights: given.extend(name for name, _ in weights)))
-    assert worker.rollwise_load_folder(str(tmp_path / "v1")) == len(given) > 0
-    assert sorted(given) == sorted(load_file(str(tmp_path / "v1" / "model.safetensors")))
+    worker.model_runner = SimpleNamespace(  # type: ignore[attr-defined]
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path / "start"))),
+        reload_weights=lambda weights_path: reloaded.append(weights_path))
+    count = len(load_file(str(tmp_path / "v1" / "model.safetensors")))
+    assert worker.rollwise_reload(str(tmp_path / "v1")) == count
+    assert reloaded == [str(tmp_path / "v1")]
+    write_weights(model, tmp_path / "tied", full=True)
+    with pytest.raises(ValueError, match="tensor lm_head.weight is missing"):
+        worker.rollwise_reload(str(tmp_path / "tied"))
+    file = tmp_path / "v1" / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="truncated"):
+        worker.rollwise_reload(str(tmp_path / "v1"))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        worker.rollwise_load_folder(str(tmp_path / "nothing"))
+        worker.rollwise_reload(str(tmp_path / "nothing"))
+    assert reloaded == [str(tmp_path / "v1")]
+
+
+def test_an_untied_publication_writes_the_output_layer_under_its_own_name(tmp_path):
+    """Guard for vLLM's reload (which keeps a tied model's start-up head): published
+    untied, a tied model's output layer is written as lm_head.weight, equal to the
+    embedding; published tied, once."""
+    model = load_policy("tiny").model
+    write_weights(model, tmp_path / "u", full=True, untied=True)
+    write_weights(model, tmp_path / "t", full=True)
+    u = load_file(str(tmp_path / "u" / "model.safetensors"))
+    t = load_file(str(tmp_path / "t" / "model.safetensors"))
+    assert torch.equal(u["lm_head.weight"], u["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in t and set(u) - set(t) == {"lm_head.weight"}
+
+
+def test_the_kind_a_url_serves_is_checked(fakes):
+    """engine.remote_kind against what answers: a vLLM URL for SGLang is named as vLLM."""
+    fake = fakes("vllm")
+    servers = Servers([fake.url], timeout_s=20, retries=0)
+    try:
+        check_kind(servers, 0, "vllm")
+        with pytest.raises(RemoteError, match="remote_kind = 'sglang', but .* is a vllm server"):
+            check_kind(servers, 0, "sglang")
+    finally:
+        servers.close()
 
 
 def test_remote_kind_is_checked_before_anything_loads(tmp_path):
     with pytest.raises(ConfigError, match="remote_kind"):
         load_config(CONFIG, ["engine.remote_kind='tgi'"])
     with pytest.raises(ConfigError, match="adapter alone"):
-        build(remote(tmp_path, "http://127.0.0.1:9", "vllm", "model.lora_rank=4"))
+        build(remote(tmp_path, "http://127.0.0.1:9", "sglang", "model.lora_rank=4"))

@@ -172,7 +172,7 @@ def place_remote(cfg: Config, policy: Policy, precision: PrecisionChoice, scorer
     probe = policy.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     rollout = RemoteRollout(servers, build_sampling(cfg), policy.decode, scorer,
                             seed=cfg.run.seed, sync=e.remote_sync, concurrency=e.batch_size,
-                            kind=e.remote_kind, probe=probe)
+                            kind=e.remote_kind, probe=probe if e.remote_verify else None)
     try:
         rollout.check_servers(Expect(len(policy.tokenizer), PROBE_TEXT, probe,
                                      min(cfg.rollout.max_prompt_tokens + cfg.rollout.max_tokens,

@@ -186,6 +186,10 @@ class EngineConfig(Section):
         "pause", description="engine.name='remote': how a server takes new weights: 'pause' "
         "(requests in flight wait, then continue with the new weights) or 'abort' (they "
         "stop and are resumed by whoever sent them).")
+    remote_verify: bool = Field(
+        True, description="engine.name='remote', servers that give prompt log-probs (vLLM): "
+        "after every weight load, check each server's log-probs of a fixed probe against the "
+        "trainer's for that version (docs/remote.md); a mismatch stops the run.")
     remote_timeout_s: float = Field(
         120.0, gt=0, description="engine.name='remote': the longest one request (a group's "
         "generation, a weight update) may take before the run stops with an error.")

@@ -102,6 +102,7 @@ class RemoteRollout:
         self.probe = probe if hasattr(self.dialect, "prompt_logprobs") else None
         self._probe_before: list[float] | None = None
         self._checks: dict[str, float] = {}
+        self._broken: str | None = None  # why the last weight load failed, until one succeeds
 
     @property
     def version(self) -> int:
@@ -217,6 +218,17 @@ class RemoteRollout:
         self.slots.activate(version, self._load)
 
     def _load(self, weights: Published) -> None:
+        """Every server loads the staged folders (and, with a probe, is checked); after a
+        failure no server is sent requests again until a load succeeds."""
+        self._broken = "a weight load did not finish"
+        try:
+            self._load_all(weights)
+        except RemoteError as e:
+            self._broken = str(e)
+            raise
+        self._broken = None
+
+    def _load_all(self, weights: Published) -> None:
         folders = self._folders_staged
         # threads of its own: generate calls in flight (asynchronous driver) may hold the pool
         with ThreadPoolExecutor(len(self.servers.urls)) as pool:
@@ -241,8 +253,12 @@ class RemoteRollout:
             self.dialect.check_server(self.servers, i, expect)
 
     def check_versions(self) -> None:
-        """Every server still holds the active version or a later one (dialects that tag
-        loads: vLLM); a restarted server stops the run, named."""
+        """No weight load failed since the last that succeeded, and every server still
+        holds the active version or a later one (dialects that tag loads: vLLM); a
+        restarted server stops the run, named."""
+        if self._broken is not None:
+            raise RemoteError(f"{self._broken}; no server samples again before a weight "
+                              "load succeeds (the run stops; resume it)")
         check = getattr(self.dialect, "check_version", None)
         if check is not None:
             for i in range(len(self.servers.urls)):
