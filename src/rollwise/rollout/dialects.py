@@ -156,7 +156,7 @@ def _steps(servers: Servers, index: int, version: int,
     for phase, route, body in steps:
         try:
             said[phase], phases[phase] = servers.post(route, body, first=index, spread=False,
-                                                      parse=_succeeded)
+                                                      parse=_succeeded, text_ok=True)
         except RemoteError as e:
             if finally_step is not None and phase != finally_step[0]:
                 try:

@@ -45,15 +45,15 @@ class Servers:
         self.retried = 0  # requests sent again (all routes), since the last `take_retries`
 
     def post(self, route: str, body: dict[str, Any], *, first: int = 0,
-             spread: bool = True, parse: Callable[[Any], Any] | None = None
-             ) -> tuple[Any, float]:
+             spread: bool = True, parse: Callable[[Any], Any] | None = None,
+             text_ok: bool = False) -> tuple[Any, float]:
         """POST `body` to server `first` (modulo their number); a failure is sent again to
         the next one (`spread`) or to the same. (the answer, read by `parse` when given;
         the round-trip seconds)."""
         failures: list[str] = []
         for attempt in range(self.retries + 1):
             url = self.urls[(first + (attempt if spread else 0)) % len(self.urls)]
-            cause = self._attempt(url, route, body)
+            cause = self._attempt(url, route, body, text_ok)
             if isinstance(cause, tuple):
                 return (cause if parse is None else
                         (_parsed(parse, cause[0], url + route), cause[1]))
@@ -65,7 +65,7 @@ class Servers:
         raise RemoteError(f"POST {route} failed {len(failures)} time(s): "
                           + "; ".join(dict.fromkeys(failures)))
 
-    def _attempt(self, url: str, route: str, body: dict[str, Any]):
+    def _attempt(self, url: str, route: str, body: dict[str, Any], text_ok: bool = False):
         """(answer, seconds), or the cause of a failure worth retrying (text); raises
         RemoteError for one that is not (a time-out, a 4xx answer)."""
         start = time.perf_counter()
@@ -78,7 +78,7 @@ class Servers:
             return f"{type(e).__name__}: {e}"
         seconds = time.perf_counter() - start
         if r.status_code < 400:
-            return _json(r, url + route), seconds
+            return _json(r, url + route, text_ok), seconds
         if r.status_code < 500 and r.status_code not in BUSY:
             raise RemoteError(f"{url}{route} answered {r.status_code}: {error_message(r)}")
         return f"answered {r.status_code}: {error_message(r)}"
@@ -104,10 +104,14 @@ class Servers:
         self.client.close()
 
 
-def _json(r: httpx.Response, where: str) -> Any:
-    """A successful answer's JSON ({} for an empty body, as some control routes send)."""
+def _json(r: httpx.Response, where: str, text_ok: bool = False) -> Any:
+    """A successful answer's JSON ({} for an empty body, as some control routes send; a
+    plain-text confirmation, as vLLM's /v1/load_lora_adapter sends, as {"message": text}
+    where `text_ok`: a control route's)."""
     if not r.content.strip():
         return {}
+    if text_ok and not r.content.lstrip().startswith((b"{", b"[")):
+        return {"message": r.text[:1000]}
     try:
         return r.json()
     except ValueError:

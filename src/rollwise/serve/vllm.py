@@ -98,7 +98,7 @@ class VLLMServer:
     dtype: str = "float32"
     eager: bool = True  # --enforce-eager: about 30 s to start instead of 100 s (torch.compile)
     max_model_len: int = 2048
-    kv_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE
+    kv_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
     cores: str = ""  # VLLM_CPU_OMP_THREADS_BIND; empty: every core this process may use
     lora_rank: int = 0  # > 0: LoRA adapters of up to this rank load at run time
     log: Path | None = None  # the server's output (None: inherited)
@@ -127,7 +127,7 @@ class VLLMServer:
     def environment(self) -> dict[str, str]:
         cores = self.cores or _cores()
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND=cores,
-                   VLLM_CPU_KVCACHE_SPACE=f"{self.kv_gb:g}", VLLM_NO_USAGE_STATS="1",
+                   VLLM_CPU_KVCACHE_SPACE=str(self.kv_gb), VLLM_NO_USAGE_STATS="1",
                    VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    OMP_NUM_THREADS=str(_count(cores)))
