@@ -217,7 +217,8 @@ def test_a_skipped_load_a_failed_load_and_a_restart_stop_the_run(server_a, place
     """Versions 0 and 1 load and verify. Version 2's reload dropped on its way (the tag
     still set): the probe check names the server, the version and the position. A
     truncated file and a file missing a tensor name the server, the version and the phase,
-    and no request is sent after a failed load. A restarted server (its start-up weights,
+    and no request is sent after a failed load. A version equal to the one before is
+    counted unverified (the probe cannot tell them apart). A restarted server (its start-up weights,
     tag 'default') stops the next step, named."""
     model = tiny(0)
     publisher = WeightsPublisher(model, str(place / "pub"), untied=True, probe=PROBE)
@@ -240,7 +241,7 @@ def test_a_skipped_load_a_failed_load_and_a_restart_stop_the_run(server_a, place
         port.run([PROMPT], [2])
 
     handle = publisher.publish(3)
-    file = Path(handle.folder("float32")) / "model.safetensors"
+    file = Path(handle.handle.folder("float32")) / "model.safetensors"
     os.truncate(file, file.stat().st_size // 2)
     with pytest.raises(RemoteError, match=rf"{server_a.url}: weight update to version 3 "
                        r"failed in phase load.*truncated"):
@@ -249,7 +250,7 @@ def test_a_skipped_load_a_failed_load_and_a_restart_stop_the_run(server_a, place
         port.run([PROMPT], [2])
 
     handle = publisher.publish(4)
-    folder = Path(handle.folder("float32"))
+    folder = Path(handle.handle.folder("float32"))
     tensors = load_file(folder / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, folder / "model.safetensors")
@@ -257,13 +258,16 @@ def test_a_skipped_load_a_failed_load_and_a_restart_stop_the_run(server_a, place
                        r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
         port.publish(handle)
 
-    port.publish(publisher.publish(5))  # a good load: the servers are used again
+    port.publish(publisher.publish(5))  # the same weights as version 4: not told apart
+    assert port.metrics()["remote_weights_unverified"] == 1.0
+    model.load_state_dict(tiny(3).state_dict())
+    port.publish(publisher.publish(6))  # a good load: the servers are used again
     assert port.metrics()["remote_weights_verified"] == 1.0
     assert len(port.run([PROMPT], [2])[0].trajectories) == 2
     server_a.stop()
     server_a.start(240)
     with pytest.raises(RemoteError, match=rf"{server_a.url} serves weight version 'default', "
-                       r"not 'rollwise-v5': it restarted"):
+                       r"not 'rollwise-v6': it restarted"):
         port.run([PROMPT], [2])
     port.close()
     publisher.close()
