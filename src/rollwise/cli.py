@@ -345,7 +345,8 @@ def serve_vllm(model: Annotated[str, typer.Argument(
                eager: Annotated[bool, typer.Option(
                    help="--enforce-eager: start in ~30 s instead of ~100 s (torch.compile "
                    "at every start).")] = True,
-               max_model_len: Annotated[int, typer.Option(help="Longest sequence.")] = 2048,
+               max_model_len: Annotated[int, typer.Option(
+                   help="Longest sequence (0: the model's context, at most 4096).")] = 0,
                kv_gb: Annotated[int, typer.Option(help="KV cache space in whole GiB.")] = 1,
                cores: Annotated[str, typer.Option(
                    help="Cores the server's threads bind to, as vLLM writes them ('0-1'); "

@@ -344,4 +344,30 @@ def sync(config: Annotated[Path | None, typer.Argument(
     bs.command(config=config, json=json, dtype=dtype, file_dtype=file_dtype, syncs=syncs,
                set_=set_)
 
+@bench_app.command("remote")
+def remote(config: Annotated[Path | None, typer.Argument(
+               help="Training config (default configs/quickstart.toml).")] = None,
+           json: JsonOpt = None,
+           steps: Annotated[int, typer.Option(help="Training steps per side.")] = 20,
+           side: Annotated[list[str] | None, typer.Option(
+               help="in-process, rollwise-serve and/or vllm (repeatable; default all).")
+               ] = None,
+           vllm_dtype: Annotated[str, typer.Option(
+               help="vLLM's precision (float32: the fast one on AVX2-only CPUs).")
+               ] = "float32",
+           out: Annotated[Path, typer.Option(help="Where the runs are written.")
+                          ] = Path("bench_results/remote"),
+           set_: Annotated[list[str] | None, typer.Option(
+               "--set", help="Config override for every side, e.g. run.seed=1.")] = None):
+    """One config in process, against `rollwise serve` and against vLLM: step time, rollout
+    tokens/s, weight sync per version, server start-up, accuracy (docs/remote.md)."""
+    from rollwise.bench import remote as br
+
+    try:
+        br.command(config=config, json=json, steps=steps, sides=side, set_=set_,
+                   vllm_dtype=vllm_dtype, out=out)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 bench_app.command("tree")(tree_command)  # B-tree: its options are declared in bench/tree.py

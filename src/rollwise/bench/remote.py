@@ -60,8 +60,8 @@ def _train(cfg, name: str) -> dict[str, Any]:
            "generated_tokens": tokens,
            "sync_median_s": statistics.median(syncs) if syncs else float("nan"),
            "sync_p90_s": _quantile(syncs, 0.9), "sync_max_s": max(syncs, default=float("nan")),
-           "accuracy_before": evals[0].get("accuracy") if evals else None,
-           "accuracy_after": evals[-1].get("accuracy") if evals else None,
+           "accuracy_before": evals[0].get("eval_accuracy") if evals else None,
+           "accuracy_after": evals[-1].get("eval_accuracy") if evals else None,
            "reward_mean": statistics.mean(r.get("reward_mean", 0.0) for r in trains)}
     if any("remote_weights_verified" in r for r in trains):
         out["verified"] = sum(r.get("remote_weights_verified", 0) for r in trains)
@@ -87,7 +87,7 @@ def command(*, config: Path | None, json: Path | None, steps: int, sides: list[s
                                  f"run.output_dir='{out}'", "run.overwrite=true"])
         dtype = "float32" if cfg.engine.dtype in ("auto", "int8") else cfg.engine.dtype
         if side == "in-process":
-            rows.append(_train(cfg, side) | {"startup_s": 0.0})
+            rows.append(_train(cfg, side) | {"startup_s": 0.0, "dtype": cfg.engine.dtype})
             continue
         cfg.engine.name, cfg.engine.remote_kind = "remote", (
             "vllm" if side == "vllm" else "rollwise")
@@ -97,23 +97,24 @@ def command(*, config: Path | None, json: Path | None, steps: int, sides: list[s
             with serve_for(cfg, dtype=dtype, log=out / "serve.log") as url:
                 startup = time.perf_counter() - start
                 cfg.engine.remote_urls = [url]
-                rows.append(_train(cfg, side) | {"startup_s": startup})
+                rows.append(_train(cfg, side) | {"startup_s": startup, "dtype": dtype})
             continue
         cfg.engine.dtype = vllm_dtype
         folder = prepare_folder(str(cfg.model.name), cache_root() / "vllm" / (
             f"{Path(str(cfg.model.name)).name}-{vllm_dtype}"), dtype=vllm_dtype)
         server = VLLMServer(folder, free_port(), dtype=vllm_dtype, log=out / "vllm.log",
-                            max_model_len=2048, lora_rank=cfg.model.lora_rank)
+                            lora_rank=cfg.model.lora_rank)
         server.start(600)
         try:
             cfg.engine.remote_urls = [server.url]
-            rows.append(_train(cfg, side) | {"startup_s": server.started_s})
+            rows.append(_train(cfg, side) | {"startup_s": server.started_s,
+                                             "dtype": vllm_dtype})
         finally:
             server.stop()
     data = {"benchmark": "remote servers", "config": str(path), "steps": steps,
             "overrides": list(set_ or []), "vllm_dtype": vllm_dtype, "sides": rows}
     print_table(f"{path}: {steps} steps per side", rows,
-                ["side", "step_s", "rollout_tok_s", "sync_median_s", "sync_p90_s",
+                ["side", "dtype", "step_s", "rollout_tok_s", "sync_median_s", "sync_p90_s",
                  "sync_max_s", "startup_s", "accuracy_before", "accuracy_after"])
     if json:
         json.parent.mkdir(parents=True, exist_ok=True)

@@ -97,7 +97,7 @@ class VLLMServer:
     name: str = "rollwise"  # --served-model-name
     dtype: str = "float32"
     eager: bool = True  # --enforce-eager: about 30 s to start instead of 100 s (torch.compile)
-    max_model_len: int = 2048
+    max_model_len: int = 0  # 0: the model's context (max_position_embeddings), at most 4096
     kv_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
     cores: str = ""  # VLLM_CPU_OMP_THREADS_BIND; empty: every core this process may use
     lora_rank: int = 0  # > 0: LoRA adapters of up to this rank load at run time
@@ -114,7 +114,7 @@ class VLLMServer:
         cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.folder), "--served-model-name", self.name,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
-               "--max-model-len", str(self.max_model_len), "--generation-config", "vllm",
+               "--max-model-len", str(self.context()), "--generation-config", "vllm",
                "--logprobs-mode", "processed_logprobs", "--uvicorn-log-level", "warning",
                "--worker-extension-cls", "rollwise.rollout.dialects.VLLMFolderWeights"]
         if self.eager:
@@ -123,6 +123,14 @@ class VLLMServer:
             cmd += ["--enable-lora", "--max-lora-rank", str(_lora_rank(self.lora_rank)),
                     "--max-loras", "1"]
         return cmd + self.extra
+
+    def context(self) -> int:
+        if self.max_model_len:
+            return self.max_model_len
+        import json
+
+        config = json.loads((self.folder / "config.json").read_text())
+        return min(4096, int(config.get("max_position_embeddings") or 2048))
 
     def environment(self) -> dict[str, str]:
         cores = self.cores or _cores()
