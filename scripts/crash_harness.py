@@ -5,7 +5,7 @@
         [--mode sync|async|both]
 
     python scripts/crash_harness.py --pair --kills 120 [--mode sync|async|both]
-        [--sync-delay 0.3] [--timeout 20]
+        [--sync-delay 0.3] [--timeout 20] [--server rollwise|vllm]
 
     python scripts/crash_harness.py --ranks 2 --kills 20 [--timeout 60]
 
@@ -22,6 +22,9 @@ script (`serve-zygote DELAY ...`: the libraries imported once), which makes each
 load take DELAY seconds more so that kills can land inside one (the tiny model's takes
 about 10 ms). --mode both splits
 the kills between a synchronous run and an asynchronous one (max_staleness 1).
+--server vllm: the server is the real vLLM (`make vllm`; engine.remote_kind = "vllm"),
+started eager on the tiny model (about 35 s a start, inside the harness's waits); a SIGKILL
+takes its whole process group.
 
 --ranks N: the learner sharded over N local ranks (learner.shards = N); at random
 instants one rank is SIGKILLed, or the driver (SIGKILL or SIGINT) (tests/crashranks.py):
@@ -124,12 +127,20 @@ def run_pair(args, workdir: Path) -> int:
     ok = True
     for i, mode in enumerate(modes):
         kills = args.kills // len(modes) + (i < args.kills % len(modes))
-        cfg = pair_config(workdir / mode, free_port(), mode, args.timeout, args.config,
-                          args.overrides)
+        port = free_port()
+        vllm = None
+        overrides = list(args.overrides)
+        if args.server == "vllm":  # the real vLLM (`make vllm`), eager, on the tiny model
+            from rollwise.serve.vllm import VLLMServer, prepare_folder
+
+            folder = prepare_folder("tiny", workdir / "served-tiny")
+            vllm = VLLMServer(folder, port, eager=True)
+            overrides.append("engine.remote_kind='vllm'")
+        cfg = pair_config(workdir / mode, port, mode, args.timeout, args.config, overrides)
         start = time.perf_counter()
         report = pair_test(cfg, kills=kills, seed=args.seed + i, workdir=workdir / mode,
                            server_command=server_launcher(args.sync_delay), zygote=True,
-                           log=print)
+                           log=print, vllm=vllm)
         ok = ok and report.ok
         longest = max(report.errors, default=(0.0, ""), key=lambda e: e[0])
         print(f"\n{mode}: {report.total} kills ({dict(report.signals)}), {report.rounds} runs "
@@ -171,6 +182,9 @@ def main() -> int:
                         help="--pair: seconds added to each weight load on the server")
     parser.add_argument("--timeout", type=float, default=20.0,
                         help="--pair: engine.remote_timeout_s")
+    parser.add_argument("--server", choices=["rollwise", "vllm"], default="rollwise",
+                        help="--pair: the server killed beside the trainer: `rollwise serve` "
+                        "(forked, seconds to restart) or the real vLLM (`make vllm`; ~35 s)")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rollwise-crash-"))
     if args.pair:

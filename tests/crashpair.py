@@ -71,7 +71,10 @@ VICTIMS = ("trainer", "server")
 # neither (the trainer scores, updates, evaluates or checkpoints on its own), or the run's
 # last checkpoint written (the report, the summary, the exit)
 PHASES = ("startup", "sync", "generate", "trainer", "finish")
-ROUTES = ("/v1/generate", "/v1/weights/update")
+# the routes an error after a server's death may name: `rollwise serve`'s, then vLLM's
+ROUTES = ("/v1/generate", "/v1/weights/update", "/v1/completions", "/pause", "/collective_rpc",
+          "/reset_prefix_cache", "/update_weight_version", "/resume", "/weight_info",
+          "/v1/load_lora_adapter")
 REL = 1e-4  # metrics against the reference: float32 rounding of the server's log-probs
 
 
@@ -213,6 +216,58 @@ class Server:
             self.proc.wait(30)
 
 
+class VLLMPairServer(Server):
+    """The real vLLM in the pair (serve/vllm.py's VLLMServer): its API server, engine core
+    and worker in a session of their own. SIGKILL kills them all (a machine losing the
+    server), SIGINT or SIGTERM goes to the API server (which shuts the rest down). Probed
+    through vLLM's routes: the tag of the weights it holds (/weight_info), requests running
+    or waiting (/metrics), a load under way (/is_paused)."""
+
+    def __init__(self, vllm, log: Path):
+        super().__init__([], vllm.url, log)
+        self.vllm = vllm
+        self.vllm.log = log
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self.vllm.start(timeout_s)
+        self.proc = self.vllm.process
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                (os.killpg if sig == signal.SIGKILL else os.kill)(self.pid, sig)
+
+    def stop(self, sig: int, timeout_s: float = 60.0) -> None:
+        try:
+            super().stop(sig, timeout_s)
+        finally:  # what the API server left (its engine core, its worker)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def updates(self) -> int:
+        r = self._get("/weight_info")
+        tag = r.json().get("weight_version") if r is not None else None
+        held = tag[10:] if isinstance(tag, str) and tag.startswith("rollwise-v") else ""
+        return int(held) if held.isdigit() else -1
+
+    def pending(self) -> int:
+        r = self._get("/metrics")
+        lines = r.text.splitlines() if r is not None else []
+        return int(sum(float(x.rsplit(" ", 1)[1]) for x in lines
+                       if x.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))))
+
+    def updating(self) -> bool:
+        r = self._get("/is_paused")
+        return r is not None and bool(r.json().get("is_paused"))
+
+
 def _trainer(cfg: Config, root: Path) -> int:
     """Fork a trainer on `root`: resumed when it holds a config.toml (checked to read back
     as `cfg`), else a new run (a directory left without one is emptied first)."""
@@ -244,8 +299,9 @@ def _trainer(cfg: Config, root: Path) -> int:
 def pair_test(cfg: Config, kills: int, seed: int, workdir: Path,
               server_command: list[str] | None = None, zygote: bool = False,
               sync_share: float = 0.3, generate_share: float = 0.2,
-              soft_share: float = 0.2, log=lambda s: None) -> PairReport:
-    """Run the harness (the module docstring) until at least `kills` kills."""
+              soft_share: float = 0.2, log=lambda s: None, vllm=None) -> PairReport:
+    """Run the harness (the module docstring) until at least `kills` kills; against the
+    real vLLM when `vllm` (a serve/vllm.py VLLMServer on the config's port) is given."""
     if cfg.engine.name != "remote" or len(cfg.engine.remote_urls) != 1:
         raise ValueError("pair_test needs engine.name='remote' and one engine.remote_urls")
     import rollwise.pipeline.launch  # noqa: F401 - imported once, before the forks
@@ -254,8 +310,9 @@ def pair_test(cfg: Config, kills: int, seed: int, workdir: Path,
     load_policy(cfg.model.name)  # the model's libraries too: a trainer then builds in ~1 s
     workdir.mkdir(parents=True, exist_ok=True)
     cfg.run.output_dir = str(workdir)
-    server = Server(server_command or SERVER, cfg.engine.remote_urls[0], workdir / "server.log",
-                    zygote=zygote)
+    server = (VLLMPairServer(vllm, workdir / "server.log") if vllm is not None else
+              Server(server_command or SERVER, cfg.engine.remote_urls[0], workdir / "server.log",
+                     zygote=zygote))
     harness = _Harness(cfg, server, random.Random(seed), kills,
                        (sync_share, generate_share, soft_share))
     server.start()

@@ -50,7 +50,10 @@ from rollwise.types import Sample, Trajectory
 
 # metric names holding wall-clock figures, or the process's memory (peak_rss_mb: a resumed
 # process has its own history, and a fork inherits its parent's)
-VOLATILE = ("time", "seconds", "per_s", "peak_rss", "cuda_max_allocated")
+# wall-clock and memory figures, and how far a server's probe log-probs sit from the
+# trainer's (its float32 rounding, which depends on how it batched)
+VOLATILE = ("time", "seconds", "per_s", "peak_rss", "cuda_max_allocated",
+            "remote_weights_probe_error")
 
 
 def short_answer(completion: str, sample: Sample) -> float:
