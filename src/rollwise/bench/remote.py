@@ -47,15 +47,22 @@ def _train(cfg, name: str) -> dict[str, Any]:
               checkpoint_every=cfg.run.checkpoint_every, steps=run_steps(cfg))
     finally:
         stages.close()
-    records = [jsonlib.loads(x) for x in
-               (Path(cfg.run.output_dir) / name / "metrics.jsonl").read_text().splitlines()]
+    return summarize(Path(cfg.run.output_dir) / name, name)
+
+
+def summarize(root: Path, name: str) -> dict[str, Any]:
+    """The figures of the run in `root` (its metrics.jsonl): a step's seconds are the
+    difference of consecutive `wall_time`s (the first from the run's start)."""
+    records = [jsonlib.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
     trains = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
-    steps = [r["wall_time"] for r in trains]
+    walls = [0.0] + [r["wall_time"] for r in trains]
+    steps = [b - a for a, b in zip(walls, walls[1:])]
     syncs = [r["publish_seconds"] for r in trains if "publish_seconds" in r]
     tokens = sum(r.get("rollout_generated_tokens", 0) for r in trains)
     rollout_s = sum(r.get("time_rollout", 0.0) for r in trains)
     out = {"side": name, "steps": len(trains), "step_s": statistics.median(steps),
+           "train_s_total": walls[-1],
            "rollout_tok_s": tokens / rollout_s if rollout_s else float("nan"),
            "generated_tokens": tokens,
            "sync_median_s": statistics.median(syncs) if syncs else float("nan"),
@@ -67,6 +74,9 @@ def _train(cfg, name: str) -> dict[str, Any]:
         out["verified"] = sum(r.get("remote_weights_verified", 0) for r in trains)
         out["unverified"] = sum(r.get("remote_weights_unverified", 0) for r in trains)
         out["probe_error_max"] = max(r.get("remote_weights_probe_error", 0) for r in trains)
+        loads = [r["remote_weights_update_seconds"] for r in trains
+                 if "remote_weights_update_seconds" in r]
+        out["server_load_median_s"] = statistics.median(loads) if loads else float("nan")
     return out
 
 
@@ -114,8 +124,8 @@ def command(*, config: Path | None, json: Path | None, steps: int, sides: list[s
     data = {"benchmark": "remote servers", "config": str(path), "steps": steps,
             "overrides": list(set_ or []), "vllm_dtype": vllm_dtype, "sides": rows}
     print_table(f"{path}: {steps} steps per side", rows,
-                ["side", "dtype", "step_s", "rollout_tok_s", "sync_median_s", "sync_p90_s",
-                 "sync_max_s", "startup_s", "accuracy_before", "accuracy_after"])
+                ["side", "dtype", "step_s", "train_s_total", "rollout_tok_s", "sync_median_s",
+                 "sync_p90_s", "sync_max_s", "startup_s", "accuracy_before", "accuracy_after"])
     if json:
         json.parent.mkdir(parents=True, exist_ok=True)
         json.write_text(jsonlib.dumps(data, indent=2) + "\n")
