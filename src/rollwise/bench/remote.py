@@ -88,6 +88,7 @@ def command(*, config: Path | None, json: Path | None, steps: int, sides: list[s
 
     path = config or Path("configs/quickstart.toml")
     sides = sides or list(SIDES)
+    out.mkdir(parents=True, exist_ok=True)
     unknown = set(sides) - set(SIDES)
     if unknown:
         raise ValueError(f"--side: {sorted(unknown)} not among {', '.join(SIDES)}")
