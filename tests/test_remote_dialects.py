@@ -167,6 +167,7 @@ def vllm_routes(fake: Fake, malformed: bool = False):
             "/update_weight_version": tag, "/tokenize": tokenize,
             "/resume": lambda b, q: ok({"status": "resumed"}),
             "GET /health": lambda b, q: (200, {}),
+            "GET /is_paused": lambda b, q: ok({"is_paused": False}),
             "GET /weight_info": lambda b, q: ok({"weight_version": fake.tag})}
 
 

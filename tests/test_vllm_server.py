@@ -300,7 +300,8 @@ def test_a_run_against_vllm_is_verified_at_every_step(server_a, tmp_path, lora):
 
 def test_bad_servers_are_one_line_errors_before_the_first_step(server_a):
     """The wrong kind names what the URL serves; an unreachable URL says so; another
-    tokenizer, another vocabulary size and too short a context are each named."""
+    tokenizer, another vocabulary size and too short a context are each named. A server
+    left paused (by a trainer killed inside a load) is resumed by the check."""
     servers = Servers([server_a.url], timeout_s=30, retries=0)
     with pytest.raises(RemoteError, match=r"remote_kind = 'rollwise', but .* is a vllm server"):
         check_kind(servers, 0, "rollwise")
@@ -309,7 +310,9 @@ def test_bad_servers_are_one_line_errors_before_the_first_step(server_a):
         check_kind(down, 0, "vllm")
     vocab = len(TOKENIZER)
     dialect = VLLMDialect()
+    servers.post("/pause?mode=keep", {})  # as a trainer that died inside a load leaves it
     dialect.check_server(servers, 0, Expect(vocab, TEXT, PROBE, 512))
+    assert servers.get(0, "/is_paused") == {"is_paused": False}
     with pytest.raises(RemoteError, match="serves another model: it tokenizes"):
         dialect.check_server(servers, 0, Expect(vocab, TEXT, PROBE[::-1], 512))
     with pytest.raises(RemoteError, match=f"token id {vocab} is refused"):

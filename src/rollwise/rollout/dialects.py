@@ -341,6 +341,10 @@ class VLLMDialect:
         next refused), room for prompt + max_tokens. A one-line error otherwise."""
         check_kind(servers, index, self.name)
         url = servers.urls[index]
+        # a trainer that died inside a load (between /pause and /resume) left it paused;
+        # this run publishes its own weights before any request samples
+        if servers.get(index, "/is_paused").get("is_paused"):
+            servers.post("/resume", {}, first=index, spread=False, text_ok=True)
         said, _ = servers.post("/tokenize", {"prompt": expect.text, "add_special_tokens": False},
                                first=index, spread=False)
         if list(said.get("tokens", [])) != list(expect.ids):
