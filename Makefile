@@ -75,7 +75,7 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_PY) -m pip install -q $(VLLM) $(TORCH)
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -c "import vllm, torch, rollwise.rollout.dialects as d; d.VLLMFolderWeights; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	$(VLLM_PY) -c "import vllm, torch, rollwise.rollout.vllm_worker as w; w.VLLMFolderWeights; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
 # the tests against real inference servers (vLLM: `make vllm` first; without it they are

@@ -27,9 +27,10 @@ from rollwise.models.tiny import build_tokenizer
 from rollwise.pipeline.build import build
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
-from rollwise.rollout.dialects import Ask, VLLMFolderWeights, check_kind, make_dialect
+from rollwise.rollout.dialects import Ask, check_kind, make_dialect
 from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import RemoteError, Servers
+from rollwise.rollout.vllm_worker import VLLMFolderWeights
 from rollwise.types import EncodedPrompt, Published, Sample
 from runs import records, run_config
 

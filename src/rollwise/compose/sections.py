@@ -178,18 +178,15 @@ class EngineConfig(Section):
         "engine.remote_kind), e.g. ['http://127.0.0.1:8001']; a step's prompts are spread "
         "over them.")
     remote_kind: Literal[REMOTE_KINDS] = Field(
-        "rollwise", description="engine.name='remote': what the servers are, so which "
-        "requests they are sent: 'rollwise' (`rollwise serve`), 'vllm' (vLLM's OpenAI server "
-        "in development mode with rollwise's worker extension) or 'sglang' (SGLang's native "
-        "server); the routes and versions each follows are in docs/remote.md.")
+        "rollwise", description="engine.name='remote': what the servers are: 'rollwise' "
+        "(`rollwise serve`), 'vllm' (`rollwise serve-vllm`) or 'sglang' (docs/remote.md).")
     remote_sync: Literal["pause", "abort"] = Field(
         "pause", description="engine.name='remote': how a server takes new weights: 'pause' "
         "(requests in flight wait, then continue with the new weights) or 'abort' (they "
         "stop and are resumed by whoever sent them).")
     remote_verify: bool = Field(
-        True, description="engine.name='remote', servers that give prompt log-probs (vLLM): "
-        "after every weight load, check each server's log-probs of a fixed probe against the "
-        "trainer's for that version (docs/remote.md); a mismatch stops the run.")
+        True, description="engine.name='remote' (vLLM): after each weight load, each server's "
+        "log-probs of a probe checked against the trainer's; a mismatch stops the run.")
     remote_timeout_s: float = Field(
         120.0, gt=0, description="engine.name='remote': the longest one request (a group's "
         "generation, a weight update) may take before the run stops with an error.")

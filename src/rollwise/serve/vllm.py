@@ -116,7 +116,7 @@ class VLLMServer:
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
                "--max-model-len", str(self.context()), "--generation-config", "vllm",
                "--logprobs-mode", "processed_logprobs", "--uvicorn-log-level", "warning",
-               "--worker-extension-cls", "rollwise.rollout.dialects.VLLMFolderWeights"]
+               "--worker-extension-cls", "rollwise.rollout.vllm_worker.VLLMFolderWeights"]
         if self.eager:
             cmd.append("--enforce-eager")
         if self.lora_rank:
