@@ -274,6 +274,7 @@ class RemoteRollout:
         if want is None:
             raise RemoteError("the trainer published no probe log-probs to check the "
                               "servers' weights against")
+        start = time.perf_counter()
         before, self._probe_before = self._probe_before, want
         gap = (max(abs(a - b) for a, b in zip(want, before, strict=True))
                if before is not None else float("inf"))
@@ -295,7 +296,8 @@ class RemoteRollout:
         with self._lock:
             self._checks = {"remote_weights_verified": float(verified),
                             "remote_weights_unverified": float(not verified),
-                            "remote_weights_probe_error": worst}
+                            "remote_weights_probe_error": worst,
+                            "remote_weights_check_seconds": time.perf_counter() - start}
             if before is not None:  # the first load has no version before it to tell from
                 self._checks["remote_weights_probe_gap"] = gap
 
