@@ -74,7 +74,7 @@ PHASES = ("startup", "sync", "generate", "trainer", "finish")
 # the routes an error after a server's death may name: `rollwise serve`'s, then vLLM's
 ROUTES = ("/v1/generate", "/v1/weights/update", "/v1/completions", "/pause", "/collective_rpc",
           "/reset_prefix_cache", "/update_weight_version", "/resume", "/weight_info",
-          "/v1/load_lora_adapter")
+          "/v1/load_lora_adapter", "/health")
 REL = 1e-4  # metrics against the reference: float32 rounding of the server's log-probs
 
 

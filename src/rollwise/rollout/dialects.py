@@ -93,8 +93,9 @@ def identify(servers: Servers, index: int) -> str | None:
         servers.get(index, "/health", parse=False)
     except RemoteError as e:
         if "answered" not in str(e):  # no HTTP answer at all
-            raise RemoteError(f"{url} cannot be reached ({str(e).split(': ', 1)[-1]}); start "
-                              "the server first (docs/remote.md)") from None
+            raise RemoteError(f"{url} cannot be reached (GET /health: "
+                              f"{str(e).split(': ', 1)[-1]}); start the server first "
+                              "(docs/remote.md)") from None
     for kind, route in IDENTITY:
         try:
             servers.get(index, route)
