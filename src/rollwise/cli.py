@@ -389,7 +389,10 @@ def serve_vllm(model: Annotated[str, typer.Argument(
                   f"{server.started_s:.0f} s); train with --set engine.name=remote --set "
                   f"engine.remote_kind=vllm --set \"engine.remote_urls=['{server.url}']\"",
                   highlight=False)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    def stopped(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stopped)  # SIGTERM as Ctrl-C: the server stopped with us
     try:
         server.process.wait()  # type: ignore[union-attr]
     except KeyboardInterrupt:
