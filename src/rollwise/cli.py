@@ -364,19 +364,12 @@ def serve_vllm(model: Annotated[str, typer.Argument(
     """Serve MODEL with the real vLLM (`make vllm` installs it) for engine.remote_kind =
     'vllm' (docs/remote.md): an untied copy of the model, the development routes of the
     weight sync, threads bound over all cores; waits for /health, then for the server."""
-    import re
-    import signal
-    from pathlib import Path
-
-    from rollwise.models.tiny import cache_root
-    from rollwise.serve.vllm import VLLMServer, VLLMUnavailable, prepare_folder
+    from rollwise.serve.vllm import VLLMServer, VLLMUnavailable, prepare_folder, serve_until_stopped
 
     if dtype not in ("float32", "bfloat16", "float16"):
         _fail(f"--dtype {dtype}: expected float32, bfloat16 or float16")
-    where = Path(folder) if folder else cache_root() / "vllm" / (
-        re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/")) + f"-{dtype}")
     try:
-        served = prepare_folder(model, where, dtype=dtype)
+        served = prepare_folder(model, folder or None, dtype=dtype)
         server = VLLMServer(served, port, name=served_model_name, dtype=dtype, eager=eager,
                             max_model_len=max_model_len, kv_gb=kv_gb, cores=cores,
                             lora_rank=lora_rank)
@@ -389,16 +382,7 @@ def serve_vllm(model: Annotated[str, typer.Argument(
                   f"{server.started_s:.0f} s); train with --set engine.name=remote --set "
                   f"engine.remote_kind=vllm --set \"engine.remote_urls=['{server.url}']\"",
                   highlight=False)
-    def stopped(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stopped)  # SIGTERM as Ctrl-C: the server stopped with us
-    try:
-        server.process.wait()  # type: ignore[union-attr]
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    serve_until_stopped(server)
 
 
 def main() -> None:

@@ -83,7 +83,6 @@ def summarize(root: Path, name: str) -> dict[str, Any]:
 def command(*, config: Path | None, json: Path | None, steps: int, sides: list[str] | None,
             set_: list[str] | None, vllm_dtype: str, out: Path) -> dict[str, Any]:
     """Run each side of `sides`; print the table, write `json`."""
-    from rollwise.models.tiny import cache_root
     from rollwise.serve.vllm import VLLMServer, prepare_folder
 
     path = config or Path("configs/quickstart.toml")
@@ -111,8 +110,7 @@ def command(*, config: Path | None, json: Path | None, steps: int, sides: list[s
                 rows.append(_train(cfg, side) | {"startup_s": startup, "dtype": dtype})
             continue
         cfg.engine.dtype = vllm_dtype
-        folder = prepare_folder(str(cfg.model.name), cache_root() / "vllm" / (
-            f"{Path(str(cfg.model.name)).name}-{vllm_dtype}"), dtype=vllm_dtype)
+        folder = prepare_folder(str(cfg.model.name), None, dtype=vllm_dtype)
         server = VLLMServer(folder, free_port(), dtype=vllm_dtype, log=out / "vllm.log",
                             lora_rank=cfg.model.lora_rank)
         server.start(600)

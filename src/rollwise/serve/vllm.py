@@ -53,10 +53,19 @@ def vllm_python() -> Path:
                           "`make vllm` (or set $ROLLWISE_VLLM_PYTHON to a python with vllm)")
 
 
-def prepare_folder(model: str, out: Path, *, dtype: str = "float32") -> Path:
+def prepare_folder(model: str, out: Path | str | None, *, dtype: str = "float32") -> Path:
     """`model` ('tiny', 'smollm2-135m', a Hugging Face folder or a run directory) written
-    to `out` as vLLM serves it: weights in `dtype`, an untied output layer, its tokenizer.
-    Written once (a folder already holding weights is reused); `out`."""
+    to `out` (None: under the rollwise cache, by model and dtype) as vLLM serves it:
+    weights in `dtype`, an untied output layer, its tokenizer. Written once (a folder
+    already holding weights is reused); the folder."""
+    if out is None:
+        import re
+
+        from rollwise.models.tiny import cache_root
+
+        out = cache_root() / "vllm" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/"))
+                                       + f"-{dtype}")
+    out = Path(out)
     if (out / "model.safetensors").is_file():
         return out
     import torch
@@ -178,6 +187,22 @@ class VLLMServer:
             p.wait()
         except ProcessLookupError:
             pass
+
+
+def serve_until_stopped(server: VLLMServer) -> None:
+    """Wait on the started `server` until it exits, Ctrl-C or SIGTERM; then stop it."""
+    import signal
+
+    def stopped(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stopped)
+    try:
+        server.process.wait()  # type: ignore[union-attr]
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 def wait_healthy(url: str, wait_s: float, process: subprocess.Popen | None = None) -> float:
