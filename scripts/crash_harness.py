@@ -147,7 +147,8 @@ def run_pair(args, workdir: Path) -> int:
               f"compared, {report.resumes} trainer resumes, {report.server_restarts} server "
               f"restarts, {len(report.errors)} trainer errors from a dead server (longest "
               f"{longest[0]:.1f}s of engine.remote_timeout_s={args.timeout:g}), "
-              f"{report.outlived} trainers finished without it, {report.kept} kept batches "
+              f"{report.outlived} trainers finished without it, {report.forced} servers "
+              f"SIGKILLed after ignoring SIGTERM/SIGINT, {report.kept} kept batches "
               f"trained as checkpointed, reference run "
               f"{report.reference_seconds:.1f}s, total {time.perf_counter() - start:.0f}s: "
               + ("all equal to the uninterrupted run" if report.ok else "FAILED"))

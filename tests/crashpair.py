@@ -75,6 +75,7 @@ PHASES = ("startup", "sync", "generate", "trainer", "finish")
 ROUTES = ("/v1/generate", "/v1/weights/update", "/v1/completions", "/pause", "/collective_rpc",
           "/reset_prefix_cache", "/update_weight_version", "/resume", "/weight_info",
           "/v1/load_lora_adapter", "/health")
+STOP_GRACE_S = 30.0  # a server's shutdown after SIGTERM or SIGINT, before it is SIGKILLed
 REL = 1e-4  # metrics against the reference: float32 rounding of the server's log-probs
 
 
@@ -89,6 +90,7 @@ class PairReport:
     outlived: int = 0  # server kills the trainer finished without needing it again
     reference_seconds: float = 0.0  # the reference's start to its last checkpoint
     kept: int = 0  # batches collected ahead that resumed trainers trained as checkpointed
+    forced: int = 0  # servers that outlived SIGTERM or SIGINT by STOP_GRACE_S: SIGKILLed
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -241,9 +243,16 @@ class VLLMPairServer(Server):
             with contextlib.suppress(ProcessLookupError):
                 (os.killpg if sig == signal.SIGKILL else os.kill)(self.pid, sig)
 
-    def stop(self, sig: int, timeout_s: float = 60.0) -> None:
+    def stop(self, sig: int, timeout_s: float = 60.0) -> bool:
+        """Send `sig`, then wait for the exit; True when it had to be SIGKILLed after
+        `timeout_s` (vLLM 0.32's API server can hang in its shutdown when SIGTERM arrives
+        inside a weight reload: its engine core force-killed, it never exits). A
+        supervisor kills such a server, and so does this one; the harness counts it."""
         try:
             super().stop(sig, timeout_s)
+            return False
+        except RuntimeError:
+            return True
         finally:  # what the API server left (its engine core, its worker)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
@@ -482,7 +491,9 @@ class _Harness(Rounds):
             else:
                 time.sleep(0.02)
         seconds = time.monotonic() - killed
-        self.server.stop(signal.SIGKILL if sig == signal.SIGKILL else sig)
+        if self.server.stop(signal.SIGKILL if sig == signal.SIGKILL else sig,
+                            timeout_s=STOP_GRACE_S):
+            self.report.forced += 1
         self.server.start()
         self.report.server_restarts += 1
         if code is None:

@@ -49,12 +49,12 @@ from rollwise.rewards.group import group_reward
 from rollwise.types import Sample, Trajectory
 
 # metric names holding wall-clock figures, or the process's memory (peak_rss_mb: a resumed
-# process has its own history, and a fork inherits its parent's)
-# wall-clock and memory figures; how far a server's probe log-probs sit from the trainer's
-# (its float32 rounding, which depends on how it batched); and how far the version a step
-# loaded is from the one the servers held before it, which after a resume is the weights
-# the resumed trainer published first (version 0 at build, then its checkpoint's), not the
-# version the interrupted trainer had loaded (rollout/remote.py `_verify`)
+# process has its own history, and a fork inherits its parent's); how far a server's probe
+# log-probs sit from the trainer's (its float32 rounding, which depends on how it batched);
+# and how far the version a step loaded is from the one the servers held before it, which
+# after a resume is the weights the resumed trainer published first (version 0 at build,
+# then its checkpoint's), not the version the interrupted trainer had loaded
+# (rollout/remote.py `_verify`)
 VOLATILE = ("time", "seconds", "per_s", "peak_rss", "cuda_max_allocated",
             "remote_weights_probe_error", "remote_weights_probe_gap")
 

@@ -142,6 +142,8 @@ def test_remote_matches_in_process_and_the_server_follows_the_trainer(tmp_path, 
     trains = records(tmp_path / "remote", "train")
     assert all(r["remote_requests"] == 4 and r["remote_retries"] == 0 for r in trains)
     assert all(r["weights_bytes"] > 0 and r["remote_http_seconds"] > 0 for r in trains)
+    # the trainer's part of the sync timed apart, within the whole
+    assert all(0 < r["weights_write_seconds"] < r["publish_seconds"] for r in trains)
 
 
 def test_async_against_a_server_rolls_out_ahead_within_the_bound(tmp_path, server):

@@ -294,6 +294,7 @@ def test_a_run_against_vllm_is_verified_at_every_step(server_a, tmp_path, lora):
         assert r["remote_weights_verified"] + r["remote_weights_unverified"] == 1.0
         assert r["remote_weights_probe_error"] <= PROBE_BOUNDS["float32"]
         assert r["remote_requests"] == 4
+        assert 0 < r["weights_probe_seconds"] + r["weights_write_seconds"] < r["publish_seconds"]
     assert trains[-1]["remote_weights_probe_gap"] > 0  # version 2 differs from version 1
     assert sum(r["remote_weights_verified"] for r in trains) >= 1
 

@@ -293,11 +293,13 @@ class Batch:
 class Published:
     """The weights of one policy version as a trainer published them for the rollout side.
     `handle` is None when the rollout side reads the trainer's own tensors (one process);
-    else what a rollout worker loads them from (a Ray object reference), `nbytes` in size."""
+    else what a rollout worker loads them from (a Ray object reference), `nbytes` in size;
+    `seconds`: the trainer's phases of making it (files: probe, gather, convert, write)."""
 
     version: int
     handle: Any = None
     nbytes: int = 0
+    seconds: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 class LearnerDied(RuntimeError):

@@ -116,7 +116,9 @@ class WeightsPublisher:
     `untied`: a tied output layer written under its own name too (vLLM's reload keeps a
     tied model's start-up head, so it serves an untied copy: serve/vllm.py). `probe`: token
     ids whose log-probs under each version (`Publication.probe`) the servers' are checked
-    against (rollout/remote.py)."""
+    against (rollout/remote.py), computed before the files are written (`seconds['probe_s']`;
+    on a thread of its own, overlapping the write and the servers' load, it gained nothing
+    on 2 cores: docs/remote.md)."""
 
     def __init__(self, model, root: str = "", *, untied: bool = False,
                  probe: list[int] | None = None):
@@ -146,10 +148,12 @@ class WeightsPublisher:
             self.dtypes, self.asked = sorted(self.asked), set()
         self._current = Publication(self, version, first=self._current is None)
         if self.probe:
+            start = time.perf_counter()
             self._current.probe = probe_logprobs(self.model, self.probe)
+            self.seconds["probe_s"] = time.perf_counter() - start
         nbytes = sum(self._current.write(d) for d in self.dtypes)
         self.version = version
-        return Published(version, self._current, nbytes)
+        return Published(version, self._current, nbytes, dict(self.seconds))
 
     def expect(self, dtypes: list[str | None]) -> None:
         """The servers' precisions, known before the first publication: it is written in

@@ -155,7 +155,8 @@ class Stages:
         `activate`: and samples with them from now on (else at `activate()`, a later step
         boundary). Waits while an activation runs: a trainer's next publication may replace
         what the rollout side is loading. The time it took (and the bytes sent, when they
-        travel), for the step's record."""
+        travel, and the trainer's phases of making them: `weights_write_seconds`...), for
+        the step's record."""
         start = time.perf_counter()
         with self._publishing:
             weights = self.learner.publish(version)
@@ -163,7 +164,8 @@ class Stages:
             self._staged = version
         if activate:
             self.activate()
-        out = {"publish_seconds": time.perf_counter() - start}
+        out = {"publish_seconds": time.perf_counter() - start} | {
+            f"weights_{k.removesuffix('_s')}_seconds": v for k, v in weights.seconds.items()}
         return out | ({"weights_bytes": weights.nbytes} if weights.nbytes else {})
 
     def activate(self) -> float:
