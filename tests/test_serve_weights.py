@@ -331,3 +331,23 @@ def test_lora_publications_hold_the_adapter_alone_after_the_first_and_stay_float
         assert later.nbytes == lora < first.nbytes // 50
     finally:
         publisher.close()
+
+
+@pytest.mark.parametrize("extra", [{}, {"bias": "lora_only"}, {"use_dora": True}])
+def test_the_adapter_is_written_as_peft_saves_it(extra):
+    """The adapter's tensors, picked from its parameters, are peft's own
+    get_peft_model_state_dict: the same names, the same values (also with LoRA biases and
+    DoRA, which go through peft's function: DoRA's magnitude vectors are named otherwise)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from rollwise.learner.files import adapter_tensors
+
+    peft = get_peft_model(build_model(), LoraConfig(r=4, lora_alpha=8, **extra,
+                                                    target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.normal_()  # lora_B starts at zero: make every tensor tell
+    want, got = get_peft_model_state_dict(peft), adapter_tensors(peft)
+    assert sorted(got) == sorted(want) and len(got) > 0
+    assert all(torch.equal(got[k], want[k]) for k in want)
