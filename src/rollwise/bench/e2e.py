@@ -146,21 +146,19 @@ def _accuracy_curves(stem: str, runs: dict[str, list[dict[str, Any]]]) -> dict[s
 
 
 def machine() -> dict[str, Any]:
-    """CPU model, cores, torch version and threads, for the report."""
+    """CPU model and kind (its best vector ISA from its flags, torch's dispatch and any
+    environment cap on it: a capped run is not a real CPU of the lower kind), cores, torch
+    version and threads, for the report."""
     import os
-    import platform
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+    from rollwise.compose.precision import _ISA_CAPS, best_isa, cpu_name
+
+    return {"cpu": cpu_name(), "cpu_kind": best_isa(),
+            "dispatch": torch.backends.cpu.get_cpu_capability(),
+            "caps": {k: os.environ[k] for k in _ISA_CAPS if k in os.environ},
+            "cores": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads()}
 
 

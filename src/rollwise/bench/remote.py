@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rollwise.bench.common import print_table
+from rollwise.bench.e2e import machine
 from rollwise.bench.servers import free_port, serve_for
 from rollwise.compose.config import load_config
 
@@ -121,7 +122,8 @@ def command(*, config: Path | None, json: Path | None, steps: int, sides: list[s
         finally:
             server.stop()
     data = {"benchmark": "remote servers", "config": str(path), "steps": steps,
-            "overrides": list(set_ or []), "vllm_dtype": vllm_dtype, "sides": rows}
+            "overrides": list(set_ or []), "vllm_dtype": vllm_dtype, "sides": rows,
+            "machine": machine()}
     print_table(f"{path}: {steps} steps per side", rows,
                 ["side", "dtype", "step_s", "train_s_total", "rollout_tok_s", "sync_median_s",
                  "sync_p90_s", "sync_max_s", "startup_s", "accuracy_before", "accuracy_after"])
