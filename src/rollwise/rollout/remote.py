@@ -44,8 +44,8 @@ RESUMES = 8  # times one group is sent again after a weight update aborted it ('
 # round at u = 2^-24 and differ only in the order of their sums (~30 layers, a 50k-way
 # softmax): 10^3-10^4 u, and the bound is ~10x what docs/remote.md measured (8.3e-5 SmolLM2,
 # 2.4e-4 tiny). Half precisions store every activation rounded (u = 2^-8 bfloat16, 2^-11
-# float16), which dominates: SmolLM2 served in bfloat16 by vLLM was 0.23-0.52 from float32
-# (~130 u) and 0.54 from torch's own bfloat16 forward; the bound is 256 u. So a
+# float16), which dominates: SmolLM2 served in bfloat16 by vLLM was 0.23-0.62 from float32
+# (~160 u) and 0.54 from torch's own bfloat16 forward; the bound is 256 u. So a
 # half-precision server's loads are verified only when an update moves some log-prob by
 # more than 2 x 256 u (most SmolLM2 updates do not: counted unverified).
 PROBE_BOUNDS = {"float32": 2e-3, "bfloat16": 256 * 2.0**-8, "float16": 256 * 2.0**-11}
