@@ -2,12 +2,12 @@
 
 One server is started for the module (eager, the tiny model's shape, LoRA enabled) and one
 fresh server on other weights gives the reference a reload must reproduce. Checked: a
-reload through the worker extension equals a fresh load while vLLM's stock reload of a
-tied folder does not; the prefix cache never answers with another version's KV (and does
-without the guard); a skipped load, a failed load and a restarted server each stop the
-run with an error naming the server; a 2-step run and a LoRA run are verified at every
-step; a wrong kind, an unreachable URL and another model are one-line errors before the
-first step. Without `.venv-vllm` every test is skipped, saying so.
+reload through the worker extension (its direct load) equals a fresh load while vLLM's
+stock reload of a tied folder does not; the prefix cache never answers with another
+version's KV (and does without the guard); a skipped load, a failed load and a restarted
+server each stop the run with an error naming the server; a 2-step run and a LoRA run
+are verified at every step; a wrong kind, an unreachable URL and another model are
+one-line errors before the first step. Without `.venv-vllm` every test is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def test_a_reload_equals_a_fresh_load_and_a_tied_folder_does_not(server_a, fresh
     before = dialect.prompt_logprobs(servers, 0, PROBE, 0)
     assert largest(before, fresh_b[0]) > 0.05  # the two weights are told apart
     dialect.load(servers, 0, published(tiny(1), place, "b-untied"), 1, "pause")
+    assert dialect.loaders == {"direct": 1}  # the worker's direct load, not vLLM's stock one
     assert largest(dialect.prompt_logprobs(servers, 0, PROBE, 1), fresh_b[0]) <= SAME
     assert largest(probe_logprobs(tiny(1), PROBE), fresh_b[0]) <= PROBE_BOUNDS["float32"]
 

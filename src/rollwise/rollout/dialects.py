@@ -241,8 +241,9 @@ class VLLMDialect:
     remaining budget. Every request carries the version's `cache_salt`, so no request
     reuses a prefix cached under other weights, even where the cache reset failed.
 
-    A load: /pause, then vLLM's own `reload_weights` of the folder through
-    /collective_rpc (full weights: `VLLMFolderWeights` checks the file first) or
+    A load: /pause, then `VLLMFolderWeights.rollwise_reload` of the folder through
+    /collective_rpc (full weights: the file checked, then loaded directly or by vLLM's own
+    `reload_weights`; which one is kept in `loaders`) or
     /v1/load_lora_adapter in place (a LoRA adapter, requested under `ADAPTER` from then
     on), /reset_prefix_cache (its answer kept), /update_weight_version (the tag
     `rollwise-v<version>`, read back from /weight_info before and after each step:
@@ -255,6 +256,7 @@ class VLLMDialect:
     def __init__(self):
         self.model: str | None = None  # the LoRA adapter's name, once one is loaded
         self.cache_resets_failed = 0  # loads whose prefix-cache reset answered success false
+        self.loaders: dict[str, int] = {}  # full-weight loads by the worker's loader
 
     @staticmethod
     def tag(version: int) -> str:
@@ -333,6 +335,11 @@ class VLLMDialect:
                                           finally_step=steps[-1], answers=True)
         if self.cache_guard and answers.get("cache", {}).get("success") is False:
             self.cache_resets_failed += 1  # requests held by 'keep': the salt still guards
+        said = answers.get("load")
+        if not adapter and isinstance(said, dict):  # each worker's answer names its loader
+            for result in said.get("results") or []:
+                loader = result.get("loader", "?") if isinstance(result, dict) else "?"
+                self.loaders[loader] = self.loaders.get(loader, 0) + 1
         if adapter:
             self.model = ADAPTER
         return phases, seconds
