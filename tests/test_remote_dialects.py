@@ -27,6 +27,7 @@ from rollwise.models.tiny import build_tokenizer
 from rollwise.pipeline.build import build
 from rollwise.replay import TrajectoryStore
 from rollwise.rewards import RewardStats
+from rollwise.rollout import vllm_worker
 from rollwise.rollout.dialects import Ask, check_kind, make_dialect
 from rollwise.rollout.remote import RemoteRollout
 from rollwise.rollout.servers import RemoteError, Servers
@@ -152,7 +153,8 @@ def vllm_routes(fake: Fake, malformed: bool = False):
     def rpc(body, query):
         if body.get("method") != "rollwise_reload" or len(body.get("args", [])) != 1:
             return bad(f"unexpected collective_rpc {body}")
-        return folder_loaded(body["args"][0]) or ok({"results": [7]})
+        return folder_loaded(body["args"][0]) or ok({"results": [{"tensors": 7,
+                                                                    "loader": "direct"}]})
 
     def tag(body, query):
         fake.tag = body["new_version"]
@@ -273,6 +275,8 @@ def test_a_training_run_against_the_fake_keeps_what_it_sent(tmp_path, fakes, kin
     trains = records(tmp_path / kind, "train")
     assert [r["remote_requests"] for r in trains] == [3, 3]
     assert all(r["remote_weights_load_seconds"] > 0 for r in trains)
+    if kind == "vllm":  # each step's load, as the worker's answer named its loader
+        assert [r.get("remote_weights_direct_loads") for r in trains] == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
@@ -358,11 +362,14 @@ def test_a_failed_load_names_the_phase_and_the_server_is_not_left_paused(tmp_pat
     assert fake.routes_called() == WEIGHT_ROUTES["sglang"]
 
 
-def test_the_vllm_worker_extension_checks_the_file_before_vllm_reloads_it(tmp_path):
+def test_the_vllm_worker_extension_checks_the_file_before_vllm_reloads_it(tmp_path,
+                                                                         monkeypatch):
     """What `/collective_rpc` calls on each vLLM worker: the published file checked against
     the checkpoint the server started from (every tensor, its shape, the file whole), then
-    vLLM's own reload of the folder; a file that fails is named with the tensor or the
+    loaded (here vLLM's own reload of the folder: the direct load, which needs vLLM, is
+    tests/test_vllm_server.py's); a file that fails is named with the tensor or the
     truncation, and nothing is reloaded."""
+    monkeypatch.setattr(vllm_worker, "direct_plan", lambda runner, header: None)
     model = load_policy("tiny").model
     write_weights(model, tmp_path / "start", full=True, untied=True)
     write_weights(model, tmp_path / "v1", full=True, untied=True)
@@ -372,7 +379,7 @@ def test_the_vllm_worker_extension_checks_the_file_before_vllm_reloads_it(tmp_pa
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path / "start"))),
         reload_weights=lambda weights_path: reloaded.append(weights_path))
     count = len(load_file(str(tmp_path / "v1" / "model.safetensors")))
-    assert worker.rollwise_reload(str(tmp_path / "v1")) == count
+    assert worker.rollwise_reload(str(tmp_path / "v1")) == {"tensors": count, "loader": "stock"}
     assert reloaded == [str(tmp_path / "v1")]
     write_weights(model, tmp_path / "tied", full=True)
     with pytest.raises(ValueError, match="tensor lm_head.weight is missing"):

@@ -78,6 +78,10 @@ def summarize(root: Path, name: str) -> dict[str, Any]:
         loads = [r["remote_weights_update_seconds"] for r in trains
                  if "remote_weights_update_seconds" in r]
         out["server_load_median_s"] = statistics.median(loads) if loads else float("nan")
+        for loader in ("direct", "stock"):  # vLLM's full-weight loads, by its worker's loader
+            if any(f"remote_weights_{loader}_loads" in r for r in trains):
+                out[f"{loader}_loads"] = sum(r.get(f"remote_weights_{loader}_loads", 0)
+                                             for r in trains)
     return out
 
 

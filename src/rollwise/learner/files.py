@@ -312,7 +312,8 @@ def probe_logprobs(model, ids: list[int]) -> list[float]:
     model.eval()
     try:
         device = next(model.parameters()).device
-        logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+        with torch.no_grad():  # no graph of the trainer's parameters
+            logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
     finally:
         model.train(training)
     logp = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])

@@ -25,6 +25,7 @@ Imports the records, the engine's sampling settings and rollout/servers.py.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,6 +258,7 @@ class VLLMDialect:
         self.model: str | None = None  # the LoRA adapter's name, once one is loaded
         self.cache_resets_failed = 0  # loads whose prefix-cache reset answered success false
         self.loaders: dict[str, int] = {}  # full-weight loads by the worker's loader
+        self._lock = threading.Lock()  # servers load on threads of their own
 
     @staticmethod
     def tag(version: int) -> str:
@@ -338,8 +340,10 @@ class VLLMDialect:
         said = answers.get("load")
         if not adapter and isinstance(said, dict):  # each worker's answer names its loader
             for result in said.get("results") or []:
-                loader = result.get("loader", "?") if isinstance(result, dict) else "?"
-                self.loaders[loader] = self.loaders.get(loader, 0) + 1
+                if isinstance(result, dict) and isinstance(result.get("loader"), str):
+                    with self._lock:
+                        self.loaders[result["loader"]] = self.loaders.get(result["loader"],
+                                                                          0) + 1
         if adapter:
             self.model = ADAPTER
         return phases, seconds
