@@ -148,3 +148,21 @@ def test_help_tables_show_no_bool_value_and_whole_first_paragraphs():
         assert out.exit_code == 0 and "<bool>" not in out.output, out.output
     rows = CliRunner().invoke(app, ["bench", "--help"], env=wide).output
     assert "busy fractions, staleness, held-out accuracy; the overlap" in rows
+
+
+def test_a_new_run_refuses_a_directory_holding_another_runs_records(tmp_path):
+    """Regression: `rollwise bench remote` ran a side again in the same directory; the new
+    run appended to the old records and skipped its own evaluations at steps the old one
+    had evaluated (a resumed run's rule), so its accuracy before was the old run's.
+    A new run in such a directory is refused; claimed with overwrite it starts empty."""
+    from rollwise.run.rundir import Run, claim_run_dir
+
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0}) + "\n")
+    with pytest.raises(FileExistsError, match="holds a run already"):
+        Run(root, resume=False, echo=lambda s: None)
+    claimed, lock = claim_run_dir(root, overwrite=True)  # the refused run left no lock
+    run = Run(claimed, resume=False, echo=lambda s: None, lock=lock)
+    assert claimed == root and run.metrics.path.read_text() == ""
+    run.close()

@@ -98,11 +98,11 @@ def train_one(cfg) -> list[dict[str, Any]]:
     """Train one config; its metrics records (train and eval lines)."""
     from rollwise.pipeline.build import build
     from rollwise.pipeline.loop import train
-    from rollwise.run.rundir import Run
+    from rollwise.run.rundir import Run, claim_run_dir
 
     stages = build(cfg)
-    root = Path(cfg.run.output_dir) / cfg.run.name
-    train(stages, Run(root, resume=False, echo=lambda s: None), cfg.run.num_steps,
+    root, lock = claim_run_dir(Path(cfg.run.output_dir) / cfg.run.name, overwrite=True)
+    train(stages, Run(root, resume=False, echo=lambda s: None, lock=lock), cfg.run.num_steps,
           eval_every=cfg.eval.every)
     return [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
 

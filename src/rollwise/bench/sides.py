@@ -39,10 +39,11 @@ class Side:
     @classmethod
     def build(cls, name: str, cfg) -> Side:
         from rollwise.pipeline.build import build
-        from rollwise.run.rundir import Run
+        from rollwise.run.rundir import Run, claim_run_dir
 
         stages = build(cfg)
-        run = Run(Path(cfg.run.output_dir) / cfg.run.name, resume=False, echo=lambda s: None)
+        root, lock = claim_run_dir(Path(cfg.run.output_dir) / cfg.run.name, overwrite=True)
+        run = Run(root, resume=False, echo=lambda s: None, lock=lock)
         return cls(name, stages, run, cfg.run.num_steps)
 
     def step(self) -> dict[str, Any]:

@@ -71,10 +71,7 @@ def direct_plan(runner, header: dict[str, dict]) -> list | None:
     or any tensor of the file or parameter of the model left unmatched or of another
     shape (but a vocabulary padded past the file's rows)."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        UnquantizedEmbeddingMethod,
-        VocabParallelEmbedding,
-    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.platforms import current_platform
 
     config = runner.vllm_config
@@ -93,36 +90,43 @@ def direct_plan(runner, header: dict[str, dict]) -> list | None:
     plan, used = [], set()
     for module_name, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
-        if not own:
-            continue
         method = getattr(module, "quant_method", None)
-        if method is not None and not isinstance(method, (UnquantizedLinearMethod,
-                                                           UnquantizedEmbeddingMethod)):
+        if own and method is not None and not isinstance(
+                method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
             return None
         name = module_name.replace(".base_layer", "")  # a LoRA-wrapped layer's own
         parent, _, leaf = name.rpartition(".")
         for param_name, param in own:
             parts = [f"{parent}.{p}.{param_name}".lstrip(".") for p in stacked.get(leaf, [])]
             parts = parts or [f"{name}.{param_name}"]
-            if any(p not in header or p in used for p in parts):
-                return None
-            rows = sum(header[p]["shape"][0] for p in parts)
-            shape = [rows, *header[parts[0]]["shape"][1:]]
-            if param.numel() == 0:  # a linear layer's weight, packed away for the CPU kernels
-                want = [getattr(module, "output_size_per_partition", -1),
-                        getattr(module, "input_size_per_partition", -1)]
-            else:
-                want = list(param.shape)
-            # a vocabulary padded past the file's rows (as vLLM's own loader: zeros there)
-            padded = (isinstance(module, VocabParallelEmbedding) and len(parts) == 1
-                      and shape[0] == module.org_vocab_size and want[0] > shape[0]
-                      and shape[1:] == want[1:])
-            if (shape != want and not padded) or any(header[p]["shape"][1:] != shape[1:]
-                                                     for p in parts):
+            if any(p in used for p in parts) or not _fits(module, param, parts, header):
                 return None
             used.update(parts)
             plan.append((module, param_name, parts))
     return plan if used == set(header) else None
+
+
+def _fits(module, param, parts: list[str], header: dict[str, dict]) -> bool:
+    """The file's tensors `parts`, stacked by rows, are of `param`'s shape: a linear
+    layer's weight packed away for the CPU kernels (empty) by the layer's own sizes; a
+    vocabulary padded past the file's rows (vLLM's loader fills zeros there) allowed."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if any(p not in header for p in parts):
+        return False
+    shapes = [header[p]["shape"] for p in parts]
+    if any(s[1:] != shapes[0][1:] for s in shapes):
+        return False
+    shape = [sum(s[0] for s in shapes), *shapes[0][1:]]
+    if param.numel() == 0:
+        want = [getattr(module, "output_size_per_partition", -1),
+                getattr(module, "input_size_per_partition", -1)]
+    else:
+        want = list(param.shape)
+    padded = (isinstance(module, VocabParallelEmbedding) and len(parts) == 1
+              and shape[0] == module.org_vocab_size and want[0] > shape[0]
+              and shape[1:] == want[1:])
+    return shape == want or padded
 
 
 def direct_load(plan: list, path) -> None:

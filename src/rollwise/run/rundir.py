@@ -163,6 +163,14 @@ class Run:
                  loggers=None, lock: RunLock | None = None):
         self.root = Path(root)
         self.lock = lock if lock is not None else RunLock(self.root)
+        old = self.root / "metrics.jsonl"
+        if not resume and old.is_file() and old.stat().st_size:
+            if lock is None:
+                self.lock.release()
+            # its records would pass for this run's (an evaluation found done is skipped)
+            raise FileExistsError(f"{self.root} holds a run already: resume it, or empty it "
+                                  "first (claim_run_dir(root, overwrite=True); "
+                                  "run.overwrite = true)")
         if config_toml is not None:
             atomic_write_text(self.root / "config.toml", config_toml)
         self.resuming = resume
