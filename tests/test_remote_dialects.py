@@ -423,3 +423,48 @@ def test_remote_kind_is_checked_before_anything_loads(tmp_path):
         load_config(CONFIG, ["engine.remote_kind='tgi'"])
     with pytest.raises(ConfigError, match="adapter alone"):
         build(remote(tmp_path, "http://127.0.0.1:9", "sglang", "model.lora_rank=4"))
+
+
+class _Packing(torch.nn.Module):
+    """A stand-in for a vLLM linear layer on the CPU: its weight is emptied and a packed
+    copy kept when prepared (`keeps=False`, as oneDNN's path), or kept as it is (`keeps`,
+    as the plain torch path)."""
+
+    def __init__(self, rows: int, cols: int, keeps: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self.output_size_per_partition, self.input_size_per_partition = rows, cols
+        self.keeps, self.packed = keeps, None
+        self.quant_method = self  # vLLM's layers prepare themselves through it
+
+    def process_weights_after_loading(self, layer) -> None:
+        if not self.keeps:
+            self.packed = self.weight.detach().clone()
+            self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def test_the_direct_load_stacks_pads_and_never_leaves_a_weight_on_its_staging_buffer(
+        tmp_path):
+    """`direct_load` (what the vLLM worker runs once `direct_plan` matched the file to the
+    model; tests/test_vllm_server.py proves it inside vLLM): stacked parts by rows in the
+    plan's order, a padded vocabulary's extra rows zero, each layer prepared once its
+    tensors are in, and a layer that keeps its weight owning it: the staging buffer the
+    next layer passes through does not change it."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    t = {name: torch.randn(shape, generator=g) for name, shape in (
+        ("q", (4, 3)), ("k", (2, 3)), ("v", (2, 3)), ("o", (3, 4)), ("d", (3, 4)),
+        ("e", (5, 3)))}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    qkv, o, d = _Packing(8, 3), _Packing(3, 4, keeps=True), _Packing(3, 4)
+    embed = torch.nn.Module()
+    embed.weight = torch.nn.Parameter(torch.full((7, 3), 9.0), requires_grad=False)
+    plan = [(qkv, "weight", ["q", "k", "v"]), (o, "weight", ["o"]), (d, "weight", ["d"]),
+            (embed, "weight", ["e"])]
+    vllm_worker.direct_load(plan, tmp_path / "model.safetensors")
+    assert torch.equal(qkv.packed, torch.cat([t["q"], t["k"], t["v"]]))
+    assert qkv.weight.numel() == 0 and d.weight.numel() == 0
+    assert torch.equal(o.weight, t["o"])  # not overwritten by d's pass through the buffer
+    assert torch.equal(d.packed, t["d"])
+    assert torch.equal(embed.weight[:5], t["e"]) and not embed.weight[5:].any()

@@ -78,6 +78,7 @@ def direct_plan(runner, header: dict[str, dict]) -> list | None:
     parallel = config.parallel_config
     model = runner.get_model()
     if (type(model).__name__ not in DIRECT or not current_platform.is_cpu()
+            or current_platform.is_zen_cpu()  # zentorch may keep a view of the weight
             or config.model_config.quantization is not None
             or parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1):
         return None
@@ -130,29 +131,44 @@ def _fits(module, param, parts: list[str], header: dict[str, dict]) -> bool:
 
 
 def direct_load(plan: list, path) -> None:
-    """The file's tensors into the model by `plan` (direct_plan), then every layer that took
-    one prepared again for the CPU kernels by its `process_weights_after_loading`."""
+    """The file's tensors into the model by `plan` (direct_plan), layer by layer, each
+    layer prepared for the CPU kernels again by its `process_weights_after_loading` as
+    soon as its tensors are in. A weight the CPU kernels keep packed apart (the layer's own
+    emptied) passes through one staging buffer, reused layer after layer: no fresh memory
+    per load, and the packing reads what was just written. A layer whose preparation keeps
+    the weight itself gets a copy of its own."""
+    import math
+
     import torch
     from safetensors import safe_open
 
-    prepare = {}
+    stage: torch.Tensor | None = None
     with torch.no_grad(), safe_open(str(path), framework="pt") as file:
-        for module, param_name, parts in plan:
+        for k, (module, param_name, parts) in enumerate(plan):
             tensors = [file.get_tensor(p) for p in parts]
             param = getattr(module, param_name)
             if param.numel() == 0:
-                # memory of its own: the file is mapped, and a later publication rewrites it
-                new = torch.cat(tensors) if len(tensors) > 1 else tensors[0].clone()
-                setattr(module, param_name, torch.nn.Parameter(new.to(param.dtype),
-                                                               requires_grad=False))
+                shape = (sum(len(t) for t in tensors), *tensors[0].shape[1:])
+                if stage is None or stage.numel() < math.prod(shape) or stage.dtype != param.dtype:
+                    stage = torch.empty(math.prod(shape), dtype=param.dtype)
+                target = stage[:math.prod(shape)].view(shape)
+                setattr(module, param_name, torch.nn.Parameter(target, requires_grad=False))
             else:
-                new = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
-                param.data[:len(new)].copy_(new)
-                param.data[len(new):].zero_()  # a padded vocabulary's rows past the file's
+                target = param.data
+            at = 0
+            for t in tensors:  # stacked parts (q/k/v, gate/up) by rows
+                target[at:at + len(t)].copy_(t)
+                at += len(t)
+            target[at:].zero_()  # a padded vocabulary's rows past the file's
+            if k + 1 < len(plan) and plan[k + 1][0] is module:
+                continue  # the layer has more to take
             if getattr(module, "quant_method", None) is not None:
-                prepare[id(module)] = module
-        for module in prepare.values():
-            module.quant_method.process_weights_after_loading(module)
+                module.quant_method.process_weights_after_loading(module)
+            for name, kept in list(module.named_parameters(recurse=False)):
+                if stage is not None and kept.numel() and (
+                        kept.untyped_storage().data_ptr() == stage.untyped_storage().data_ptr()):
+                    setattr(module, name, torch.nn.Parameter(kept.detach().clone(),
+                                                             requires_grad=False))
 
 
 def safetensors_header(path) -> dict[str, dict]:
