@@ -21,7 +21,7 @@ class VLLMFolderWeights:
     takes its tensor (or its stacked parts, q/k/v into qkv_proj) and each layer is
     prepared for the CPU kernels again by its own `process_weights_after_loading`, as at
     start-up. Elsewhere it is vLLM's stock `reload_weights`, which does the same through a
-    round trip of every layer to the meta device (about 1.5x the time: docs/remote.md)."""
+    round trip of every layer to the meta device (1.6x the time for SmolLM2: docs/remote.md)."""
 
     def rollwise_reload(self, folder: str) -> dict:
         """{'tensors': how many the file holds, 'loader': 'direct' or 'stock'}"""
