@@ -93,6 +93,9 @@ def main() -> None:
     result = {
         "machine": {"cpu": cpu_name(), "cpu_kind": best_isa(),
                     "dispatch": torch.backends.cpu.get_cpu_capability(),
+                    "caps": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY",
+                                                         "ONEDNN_MAX_CPU_ISA")
+                             if k in os.environ},  # a capped run is not a real CPU of that kind
                     "cores": os.cpu_count(), "torch": torch.__version__},
         "folder": str(first), "rounds": args.rounds, "probe_tokens": len(start),
         **{f"{k}_s": {"median": statistics.median(v), "min": min(v), "max": max(v)}
