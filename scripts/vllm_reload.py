@@ -40,8 +40,6 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
     from vllm import LLM, SamplingParams
 
-    from rollwise.rollout import vllm_worker
-
     first = args.folder.resolve()
     with tempfile.TemporaryDirectory() as tmp:
         second = Path(tmp) / "second"
@@ -65,13 +63,11 @@ def main() -> None:
             out = llm.generate([TEXT], params, use_tqdm=False)[0]
             return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
-        direct_plan = vllm_worker.direct_plan
         start = logprobs()
 
         def load(folder: Path, loader: str) -> tuple[float, list[float]]:
-            vllm_worker.direct_plan = direct_plan if loader == "direct" else (lambda *a: None)
             t = time.perf_counter()
-            said = worker.rollwise_reload(str(folder))
+            said = worker.rollwise_reload(str(folder), "auto" if loader == "direct" else loader)
             seconds = time.perf_counter() - t
             assert said["loader"] == loader, said
             return seconds, logprobs()
@@ -83,7 +79,6 @@ def main() -> None:
                 for name, folder in (("second", second), ("first", first)):
                     s, got[loader, name] = load(folder, loader)
                     seconds[loader].append(s)
-        vllm_worker.direct_plan = direct_plan
 
     def largest(a: list[float], b: list[float]) -> float:
         return max(abs(x - y) for x, y in zip(a, b, strict=True))

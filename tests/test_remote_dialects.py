@@ -362,14 +362,12 @@ def test_a_failed_load_names_the_phase_and_the_server_is_not_left_paused(tmp_pat
     assert fake.routes_called() == WEIGHT_ROUTES["sglang"]
 
 
-def test_the_vllm_worker_extension_checks_the_file_before_vllm_reloads_it(tmp_path,
-                                                                         monkeypatch):
+def test_the_vllm_worker_extension_checks_the_file_before_vllm_reloads_it(tmp_path):
     """What `/collective_rpc` calls on each vLLM worker: the published file checked against
     the checkpoint the server started from (every tensor, its shape, the file whole), then
-    loaded (here vLLM's own reload of the folder: the direct load, which needs vLLM, is
-    tests/test_vllm_server.py's); a file that fails is named with the tensor or the
-    truncation, and nothing is reloaded."""
-    monkeypatch.setattr(vllm_worker, "direct_plan", lambda runner, header: None)
+    loaded (here vLLM's own reload of the folder, asked for: the direct load, which needs
+    vLLM, is tests/test_vllm_server.py's); a file that fails is named with the tensor or
+    the truncation, and nothing is reloaded."""
     model = load_policy("tiny").model
     write_weights(model, tmp_path / "start", full=True, untied=True)
     write_weights(model, tmp_path / "v1", full=True, untied=True)
@@ -379,7 +377,10 @@ def test_the_vllm_worker_extension_checks_the_file_before_vllm_reloads_it(tmp_pa
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path / "start"))),
         reload_weights=lambda weights_path: reloaded.append(weights_path))
     count = len(load_file(str(tmp_path / "v1" / "model.safetensors")))
-    assert worker.rollwise_reload(str(tmp_path / "v1")) == {"tensors": count, "loader": "stock"}
+    said = worker.rollwise_reload(str(tmp_path / "v1"), loader="stock")
+    assert said == {"tensors": count, "loader": "stock"}
+    with pytest.raises(ValueError, match="'auto' or 'stock'"):
+        worker.rollwise_reload(str(tmp_path / "v1"), loader="fast")
     assert reloaded == [str(tmp_path / "v1")]
     write_weights(model, tmp_path / "tied", full=True)
     with pytest.raises(ValueError, match="tensor lm_head.weight is missing"):

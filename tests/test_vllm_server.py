@@ -131,7 +131,7 @@ def test_a_reload_equals_a_fresh_load_and_a_tied_folder_does_not(server_a, fresh
     before = dialect.prompt_logprobs(servers, 0, PROBE, 0)
     assert largest(before, fresh_b[0]) > 0.05  # the two weights are told apart
     dialect.load(servers, 0, published(tiny(1), place, "b-untied"), 1, "pause")
-    assert dialect.loaders == {"direct": 1}  # the worker's direct load, not vLLM's stock one
+    assert dialect.take_loaders() == {"direct": 1}  # the direct load, not vLLM's stock one
     assert largest(dialect.prompt_logprobs(servers, 0, PROBE, 1), fresh_b[0]) <= SAME
     assert largest(probe_logprobs(tiny(1), PROBE), fresh_b[0]) <= PROBE_BOUNDS["float32"]
 

@@ -98,12 +98,12 @@ def train_one(cfg) -> list[dict[str, Any]]:
     """Train one config; its metrics records (train and eval lines)."""
     from rollwise.pipeline.build import build
     from rollwise.pipeline.loop import train
-    from rollwise.run.rundir import Run, claim_run_dir
+    from rollwise.run.rundir import new_run
 
     stages = build(cfg)
-    root, lock = claim_run_dir(Path(cfg.run.output_dir) / cfg.run.name, overwrite=True)
-    train(stages, Run(root, resume=False, echo=lambda s: None, lock=lock), cfg.run.num_steps,
-          eval_every=cfg.eval.every)
+    run = new_run(Path(cfg.run.output_dir) / cfg.run.name, echo=lambda s: None)
+    root = run.root
+    train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every)
     return [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -103,13 +103,13 @@ def train_variant(cfg, name: str, warmup: int) -> dict[str, Any]:
     the last); its row, from the run's step records."""
     from rollwise.pipeline.build import build, run_steps
     from rollwise.pipeline.loop import train
-    from rollwise.run.rundir import Run, claim_run_dir
+    from rollwise.run.rundir import new_run
 
     cfg.eval.every = 0
     cfg.eval.before = False
     stages = build(cfg)
-    root, lock = claim_run_dir(Path(cfg.run.output_dir) / cfg.run.name, overwrite=True)
-    run = Run(root, resume=False, echo=lambda s: None, lock=lock)
+    run = new_run(Path(cfg.run.output_dir) / cfg.run.name, echo=lambda s: None)
+    root = run.root
     start = time.perf_counter()
     try:
         summary = train(stages, run, cfg.run.num_steps, eval_before=False,

@@ -37,12 +37,12 @@ def _train(cfg, name: str) -> dict[str, Any]:
     from rollwise.compose.config import to_toml
     from rollwise.pipeline.build import build, run_steps
     from rollwise.pipeline.loop import train
-    from rollwise.run.rundir import Run, claim_run_dir
+    from rollwise.run.rundir import new_run
 
     cfg.run.name = name
     stages = build(cfg)
-    root, lock = claim_run_dir(Path(cfg.run.output_dir) / name, overwrite=True)
-    run = Run(root, resume=False, config_toml=to_toml(cfg), echo=lambda s: None, lock=lock)
+    run = new_run(Path(cfg.run.output_dir) / name, config_toml=to_toml(cfg),
+                  echo=lambda s: None)
     try:
         train(stages, run, cfg.run.num_steps, eval_every=cfg.eval.every,
               checkpoint_every=cfg.run.checkpoint_every, steps=run_steps(cfg))

@@ -39,11 +39,10 @@ class Side:
     @classmethod
     def build(cls, name: str, cfg) -> Side:
         from rollwise.pipeline.build import build
-        from rollwise.run.rundir import Run, claim_run_dir
+        from rollwise.run.rundir import new_run
 
         stages = build(cfg)
-        root, lock = claim_run_dir(Path(cfg.run.output_dir) / cfg.run.name, overwrite=True)
-        run = Run(root, resume=False, echo=lambda s: None, lock=lock)
+        run = new_run(Path(cfg.run.output_dir) / cfg.run.name, echo=lambda s: None)
         return cls(name, stages, run, cfg.run.num_steps)
 
     def step(self) -> dict[str, Any]:

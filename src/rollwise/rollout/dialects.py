@@ -244,7 +244,7 @@ class VLLMDialect:
 
     A load: /pause, then `VLLMFolderWeights.rollwise_reload` of the folder through
     /collective_rpc (full weights: the file checked, then loaded directly or by vLLM's own
-    `reload_weights`; which one is kept in `loaders`) or
+    `reload_weights`; which one: `take_loaders`) or
     /v1/load_lora_adapter in place (a LoRA adapter, requested under `ADAPTER` from then
     on), /reset_prefix_cache (its answer kept), /update_weight_version (the tag
     `rollwise-v<version>`, read back from /weight_info before and after each step:
@@ -257,8 +257,15 @@ class VLLMDialect:
     def __init__(self):
         self.model: str | None = None  # the LoRA adapter's name, once one is loaded
         self.cache_resets_failed = 0  # loads whose prefix-cache reset answered success false
-        self.loaders: dict[str, int] = {}  # full-weight loads by the worker's loader
+        self._loaders: dict[str, int] = {}  # full-weight loads by the worker's loader
         self._lock = threading.Lock()  # servers load on threads of their own
+
+    def take_loaders(self) -> dict[str, int]:
+        """The full-weight loads since the last call, by the loader each worker named
+        ('direct', 'stock')."""
+        with self._lock:
+            out, self._loaders = self._loaders, {}
+        return out
 
     @staticmethod
     def tag(version: int) -> str:
@@ -342,8 +349,8 @@ class VLLMDialect:
             for result in said.get("results") or []:
                 if isinstance(result, dict) and isinstance(result.get("loader"), str):
                     with self._lock:
-                        self.loaders[result["loader"]] = self.loaders.get(result["loader"],
-                                                                          0) + 1
+                        self._loaders[result["loader"]] = self._loaders.get(
+                            result["loader"], 0) + 1
         if adapter:
             self.model = ADAPTER
         return phases, seconds

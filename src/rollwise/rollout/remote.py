@@ -234,8 +234,6 @@ class RemoteRollout:
 
     def _load_all(self, weights: Published) -> None:
         folders = self._folders_staged
-        loaders = getattr(self.dialect, "loaders", None)  # vLLM: its worker's loader, counted
-        before = dict(loaders or {})
         # threads of its own: generate calls in flight (asynchronous driver) may hold the pool
         with ThreadPoolExecutor(len(self.servers.urls)) as pool:
             answers = list(pool.map(lambda i: self.dialect.load(
@@ -246,9 +244,9 @@ class RemoteRollout:
             for k, v in named.items():
                 name = f"remote_weights_{k.removesuffix('_s')}_seconds"
                 phases[name] = max(phases.get(name, 0.0), float(v))
-        for loader, count in (loaders or {}).items():  # this version's full-weight loads by kind
-            if count > before.get(loader, 0):
-                phases[f"remote_weights_{loader}_loads"] = float(count - before.get(loader, 0))
+        taken = getattr(self.dialect, "take_loaders", dict)()  # vLLM: its workers' loaders
+        for loader, count in taken.items():
+            phases[f"remote_weights_{loader}_loads"] = float(count)
         with self._lock:
             self._load_s = max(self._load_s, max(seconds for _, seconds in answers))
             self._phases = phases

@@ -23,8 +23,11 @@ class VLLMFolderWeights:
     start-up. Elsewhere it is vLLM's stock `reload_weights`, which does the same through a
     round trip of every layer to the meta device (1.6x the time for SmolLM2: docs/remote.md)."""
 
-    def rollwise_reload(self, folder: str) -> dict:
-        """{'tensors': how many the file holds, 'loader': 'direct' or 'stock'}"""
+    def rollwise_reload(self, folder: str, loader: str = "auto") -> dict:
+        """{'tensors': how many the file holds, 'loader': 'direct' or 'stock'}. `loader`:
+        'auto' (direct where `direct_plan` allows it) or 'stock' (vLLM's own reload)."""
+        if loader not in ("auto", "stock"):
+            raise ValueError(f"loader {loader!r}: 'auto' or 'stock'")
         from pathlib import Path
 
         path = Path(folder) / "model.safetensors"
@@ -45,7 +48,7 @@ class VLLMFolderWeights:
                 raise ValueError(f"{path}: tensor {name} has shape {got[name]['shape']}, the "
                                  f"served model's is {shape}")
         runner = self.model_runner  # type: ignore[attr-defined]
-        plan = direct_plan(runner, got)
+        plan = direct_plan(runner, got) if loader == "auto" else None
         if plan is None:
             runner.reload_weights(weights_path=folder)
             return {"tensors": len(got), "loader": "stock"}
@@ -149,9 +152,10 @@ def direct_load(plan: list, path) -> None:
             param = getattr(module, param_name)
             if param.numel() == 0:
                 shape = (sum(len(t) for t in tensors), *tensors[0].shape[1:])
-                if stage is None or stage.numel() < math.prod(shape) or stage.dtype != param.dtype:
-                    stage = torch.empty(math.prod(shape), dtype=param.dtype)
-                target = stage[:math.prod(shape)].view(shape)
+                size = math.prod(shape)
+                if stage is None or stage.numel() < size or stage.dtype != param.dtype:
+                    stage = torch.empty(size, dtype=param.dtype)
+                target = stage[:size].view(shape)
                 setattr(module, param_name, torch.nn.Parameter(target, requires_grad=False))
             else:
                 target = param.data

@@ -104,6 +104,13 @@ def claim_run_dir(base: Path, overwrite: bool) -> tuple[Path, RunLock]:
             root, n = base.with_name(f"{base.name}-{n}"), n + 1
 
 
+def new_run(base: Path, **options) -> Run:
+    """A new run in `base`, emptied first (a benchmark's side, run again in its place): a
+    `Run` holding `base`'s lock, `options` passed on."""
+    root, lock = claim_run_dir(base, overwrite=True)
+    return Run(root, resume=False, lock=lock, **options)
+
+
 class StepTimer:
     """Wall time per named phase of one step; `other` is what no phase covered."""
 
